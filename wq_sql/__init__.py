@@ -1,0 +1,28 @@
+"""wq_sql: DeepRec's WorkQueue rebuilt as a transactional job table on SQLite and PostgreSQL.
+
+``import wq_sql`` never imports TensorFlow; the TF shim is ``wq_sql.tf``.
+"""
+
+from wq_sql.admin import drop_queue, list_queues, reset_queue, upgrade
+from wq_sql.errors import (
+    DatabaseBusy,
+    InvalidInput,
+    LeaseLost,
+    QueueConfigMismatch,
+    QueueEmpty,
+    QueueExhausted,
+    QueueNotFound,
+    SchemaOutdated,
+    UnsafeDatabase,
+    WorkerConflict,
+    WqSqlError,
+)
+from wq_sql.queue import Progress, WorkItem, WorkQueue
+
+__all__ = [
+    "WorkQueue", "WorkItem", "Progress",
+    "upgrade", "reset_queue", "drop_queue", "list_queues",
+    "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
+    "DatabaseBusy", "SchemaOutdated", "WorkerConflict", "LeaseLost", "UnsafeDatabase", "InvalidInput",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,91 @@
+"""Operations on whole queues and on the schema, for scripts and the ``wq-sql`` command."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.engine import URL
+
+from wq_sql import migrate, ops
+from wq_sql.engine import make_engine, resolve_url
+from wq_sql.errors import QueueNotFound
+
+
+def _engine(url: Optional[str | URL], schema: Optional[str]) -> Any:
+    return make_engine(resolve_url(url), schema=schema, pool_size=1)
+
+
+def upgrade(url: Optional[str | URL] = None, schema: Optional[str] = None) -> str:
+    """Create or upgrade the wq_sql schema; returns the revision it is now at."""
+    engine = _engine(url, schema)
+    try:
+        return migrate.upgrade(engine, schema)
+    finally:
+        engine.dispose()
+
+
+def current(url: Optional[str | URL] = None, schema: Optional[str] = None) -> Optional[str]:
+    engine = _engine(url, schema)
+    try:
+        with engine.connect() as conn:
+            return migrate.current_revision(conn, schema)
+    finally:
+        engine.dispose()
+
+
+def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> None:
+    """Start a queue over at epoch 0 (same works and seed); its history is deleted.
+
+    Stop its workers first: items they hold are forgotten."""
+    engine = _engine(url, schema)
+    try:
+        migrate.ensure_schema(engine, schema)
+        with engine.begin() as conn:
+            row = ops.find_queue(conn, name)
+            if row is None:
+                raise QueueNotFound(f"no queue named {name!r}")
+            for table in (ops.items, ops.events, ops.tallies, ops.workers):
+                conn.execute(delete(table).where(table.c.queue_id == row.id))
+            conn.execute(update(ops.queues).where(ops.queues.c.id == row.id).values(epochs_created=1))
+            ops.insert_epoch(conn, row.id, row.n_works, 0, row.shuffle, row.seed)
+    finally:
+        engine.dispose()
+
+
+def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> bool:
+    """Delete a queue and everything it holds; returns whether it existed."""
+    engine = _engine(url, schema)
+    try:
+        migrate.ensure_schema(engine, schema)
+        with engine.begin() as conn:
+            row = ops.find_queue(conn, name)
+            if row is None:
+                return False
+            # Children first: SQLite only cascades with foreign_keys=ON, which other tools may not set.
+            for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.works_t):
+                conn.execute(delete(table).where(table.c.queue_id == row.id))
+            conn.execute(delete(ops.queues).where(ops.queues.c.id == row.id))
+            return True
+    finally:
+        engine.dispose()
+
+
+def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -> list[dict[str, Any]]:
+    """Every queue with its configuration and progress (from the counters)."""
+    engine = _engine(url, schema)
+    try:
+        migrate.ensure_schema(engine, schema)
+        with engine.connect() as conn:
+            out = []
+            for row in conn.execute(select(ops.queues).order_by(ops.queues.c.name)):
+                done, failed = ops.progress(conn, row.id)
+                out.append({
+                    "name": row.name, "items_per_epoch": row.n_works, "num_epochs": row.num_epochs,
+                    "shuffle": row.shuffle, "seed": row.seed, "num_slices": row.num_slices,
+                    "prefix": row.prefix, "epochs_created": row.epochs_created,
+                    "done": done, "failed": failed, "total": row.n_works * row.num_epochs,
+                })
+            return out
+    finally:
+        engine.dispose()

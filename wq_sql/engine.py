@@ -1,0 +1,172 @@
+"""Engines: URL resolution, per-backend connection setup, and the few dialect differences.
+
+SQLite: WAL, ``busy_timeout`` and ``BEGIN IMMEDIATE`` for every write transaction, so a
+transaction takes the single write lock up front instead of failing halfway with
+``database is locked``. Postgres: READ COMMITTED (the server default), statement and idle-in-transaction timeouts
+passed as connection startup options (no ``SET`` session state, so PgBouncer in transaction
+mode works), and an optional schema via ``schema_translate_map``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from sqlalchemy import Engine, create_engine, event, literal_column
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.sql.elements import ColumnElement
+
+from wq_sql.errors import InvalidInput, UnsafeDatabase
+
+DEFAULT_SQLITE_FILE = "wq_sql.db"
+NETWORK_FILESYSTEMS = {
+    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smbfs", "smb3", "fuse.sshfs", "ceph", "fuse.cephfs",
+    "glusterfs", "fuse.glusterfs", "9p", "afs", "beegfs", "fuse.s3fs", "fuse.gcsfuse",
+}
+MIN_SQLITE = (3, 35, 0)  # RETURNING
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def resolve_url(url: Optional[str | URL]) -> URL:
+    """``url``, else ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db`` in the current directory."""
+    raw = url if url is not None else os.environ.get("WQ_SQL_URL") or f"sqlite:///{DEFAULT_SQLITE_FILE}"
+    try:
+        parsed = make_url(raw)
+    except Exception as e:  # sqlalchemy raises ArgumentError; never echo a password back
+        raise InvalidInput(f"not a database URL ({type(e).__name__}); expected e.g. "
+                           "sqlite:///path/wq.db or postgresql://user@host/db") from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        # SQLAlchemy 2.1 defaults to psycopg 3; wq_sql depends on psycopg2.
+        parsed = parsed.set(drivername="postgresql+psycopg2")
+    return parsed
+
+
+def safe_url(url: URL) -> str:
+    """The URL as it may appear in logs and errors: the password hidden."""
+    return url.render_as_string(hide_password=True)
+
+
+def _mount_fstype(path: Path) -> Optional[str]:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best, fstype = "", None
+    target = str(path)
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, parts[2]
+    return fstype
+
+
+def check_sqlite_path(url: URL) -> None:
+    """Refuse what SQLite cannot do safely: old versions, WAL on network filesystems."""
+    if sqlite3.sqlite_version_info < MIN_SQLITE:
+        raise UnsafeDatabase(
+            f"SQLite {sqlite3.sqlite_version} is too old: wq_sql needs >= 3.35 (RETURNING). "
+            "Use a Python built against a newer SQLite, or PostgreSQL.")
+    db = url.database
+    if not db or db == ":memory:" or db.startswith("file:"):
+        raise InvalidInput("wq_sql needs a SQLite file shared by its workers, not an in-memory "
+                           "database: use sqlite:///path/to/queue.db")
+    path = Path(db).expanduser().resolve()
+    if not path.parent.is_dir():
+        raise InvalidInput(f"the folder of the SQLite file {str(path)!r} does not exist; create it first")
+    fstype = _mount_fstype(path.parent)
+    if fstype in NETWORK_FILESYSTEMS and not os.environ.get("WQ_SQL_ALLOW_NETWORK_FS"):
+        raise UnsafeDatabase(
+            f"{str(path)!r} is on a {fstype} filesystem, where SQLite's WAL locking is unsafe and the "
+            "queue could hand out an item twice. Put the file on a local disk, or use PostgreSQL "
+            "(WQ_SQL_URL=postgresql://...) for workers on several machines.")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What differs between SQLite and Postgres, kept in one small place."""
+
+    name: str  # "sqlite" or "postgresql"
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.name == "sqlite"
+
+    def now(self) -> ColumnElement[Any]:
+        """The database clock, as a value comparable to stored timestamps.
+
+        SQLite's text timestamps compare as strings, so the format must match SQLAlchemy's
+        storage format exactly (microseconds, six digits)."""
+        if self.is_sqlite:
+            return literal_column("(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')")
+        return literal_column("clock_timestamp()")
+
+    def now_plus(self, seconds: float) -> ColumnElement[Any]:
+        s = repr(float(seconds))  # a float we produced, never user text
+        if self.is_sqlite:
+            return literal_column(f"(strftime('%Y-%m-%d %H:%M:%f', 'now', '{s} seconds') || '000')")
+        return literal_column(f"(clock_timestamp() + interval '{s} seconds')")
+
+    def insert(self, table: Any) -> Any:
+        """An INSERT that supports ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
+        if self.is_sqlite:
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert
+        return insert(table)
+
+
+def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float = 30.0,
+                statement_timeout: float = 60.0, startup_options: bool = True,
+                pool_size: int = 2) -> Engine:
+    """An engine for a worker process: at most ``pool_size`` connections (claims and heartbeat)."""
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        if schema:
+            raise InvalidInput("schema= is for PostgreSQL; SQLite has one schema per file")
+        check_sqlite_path(url)
+        engine = create_engine(url, pool_size=pool_size, max_overflow=0,
+                               connect_args={"timeout": busy_timeout, "check_same_thread": False})
+        _sqlite_hooks(engine)
+        return engine
+    if backend != "postgresql":
+        raise InvalidInput(f"unsupported database {backend!r}: use sqlite:///file.db or postgresql://...")
+    connect_args: dict[str, Any] = {"application_name": "wq_sql"}
+    if startup_options:
+        ms = int(statement_timeout * 1000)
+        connect_args["options"] = (f"-c statement_timeout={ms} "
+                                   f"-c idle_in_transaction_session_timeout={ms}")
+    opts: dict[str, Any] = {}
+    if schema:
+        if not _IDENT.match(schema):
+            raise InvalidInput(f"schema must be a plain identifier (letters, digits, _), got {schema!r}")
+        opts["schema_translate_map"] = {None: schema}
+    engine = create_engine(url, pool_size=pool_size, max_overflow=0, pool_pre_ping=False,
+                           execution_options=opts, connect_args=connect_args)
+    return engine
+
+
+def _sqlite_hooks(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _rec: Any) -> None:
+        # Let us issue BEGIN ourselves (pysqlite's implicit BEGIN is DEFERRED).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        # Read-only transactions ask for wq_read=True and do not take the write lock.
+        if conn.get_execution_options().get("wq_read"):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")

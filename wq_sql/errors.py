@@ -1,0 +1,62 @@
+"""Exceptions raised by wq_sql. All derive from :class:`WqSqlError`."""
+
+from __future__ import annotations
+
+
+class WqSqlError(Exception):
+    """Base class of every wq_sql error."""
+
+
+class QueueExhausted(WqSqlError):
+    """Every item of every epoch is done or failed; ``failed`` counts the failed ones."""
+
+    def __init__(self, queue: str, done: int, failed: int) -> None:
+        self.queue, self.done, self.failed = queue, done, failed
+        msg = f"queue {queue!r} is exhausted: {done} items done, {failed} failed"
+        if failed:
+            msg += " (see SELECT * FROM wq_audit WHERE state='failed')"
+        super().__init__(msg)
+
+
+class QueueEmpty(WqSqlError):
+    """Nothing is claimable right now, but other workers still hold items (``take(timeout=...)``)."""
+
+
+class QueueConfigMismatch(WqSqlError):
+    """The stored queue was created with another configuration."""
+
+    def __init__(self, queue: str, differences: list[str]) -> None:
+        self.queue, self.differences = queue, differences
+        super().__init__(
+            f"queue {queue!r} exists with another configuration: {'; '.join(differences)}. "
+            f"Use another name=, or start over with `python -m wq_sql reset {queue}` "
+            f"(or wq_sql.reset_queue(...)); to add epochs call wq.extend_epochs(n)."
+        )
+
+
+class QueueNotFound(WqSqlError):
+    """``WorkQueue.attach`` named a queue that does not exist."""
+
+
+class DatabaseBusy(WqSqlError):
+    """SQLite stayed locked by other writers for longer than ``busy_timeout``."""
+
+
+class SchemaOutdated(WqSqlError):
+    """The database schema is older (or newer) than this version of wq_sql expects."""
+
+
+class WorkerConflict(WqSqlError):
+    """Another live process already works under this worker identity."""
+
+
+class LeaseLost(WqSqlError):
+    """The item's lease expired and it was handed to someone else; this ack was rejected."""
+
+
+class UnsafeDatabase(WqSqlError):
+    """The database URL points at a place where wq_sql cannot guarantee safety."""
+
+
+class InvalidInput(WqSqlError, ValueError):
+    """Bad arguments; also a ``ValueError`` as in DeepRec."""

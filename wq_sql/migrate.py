@@ -1,0 +1,111 @@
+"""Schema creation and upgrades, run from code.
+
+A brand-new database gets the schema on first use, exactly once even when many processes touch
+it at the same instant (Postgres: a transaction-scoped advisory lock; SQLite: ``BEGIN
+IMMEDIATE``; both backends run DDL transactionally). A database at another revision is never
+changed silently: :class:`~wq_sql.errors.SchemaOutdated` names the command that upgrades it.
+Once a DBA has migrated, workers only read ``alembic_version``, so they run without DDL rights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Optional
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, inspect, text
+
+from wq_sql.engine import safe_url
+from wq_sql.errors import SchemaOutdated
+
+# Any constant fits; it names "the wq_sql migration lock" among a database's advisory locks.
+_PG_LOCK_KEY = 0x77715F73716C  # "wq_sql"
+
+
+def migrations_dir() -> Path:
+    """The Alembic scripts: ``wq_sql._migrations`` in a wheel, ``migrations/`` in a checkout."""
+    spec = importlib.util.find_spec("wq_sql._migrations")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / "env.py").exists():
+                return Path(loc)
+    here = Path(__file__).resolve().parent.parent / "migrations"
+    if (here / "env.py").exists():
+        return here
+    raise RuntimeError("wq_sql's migrations are missing from this installation; reinstall wq_sql")
+
+
+def alembic_config(connection: Optional[Connection] = None, schema: Optional[str] = None,
+                   url: Optional[str] = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["connection"] = connection
+    cfg.attributes["schema"] = schema
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(conn: Connection, schema: Optional[str] = None) -> Optional[str]:
+    ctx = MigrationContext.configure(conn, opts={"version_table_schema": schema})
+    return ctx.get_current_revision()
+
+
+def _lock(conn: Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
+    # SQLite: the transaction began with BEGIN IMMEDIATE, which already excludes other writers.
+
+
+def _upgrade_locked(conn: Connection, schema: Optional[str]) -> None:
+    if schema:
+        conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+    command.upgrade(alembic_config(conn, schema), "head")
+
+
+def upgrade(engine: Engine, schema: Optional[str] = None) -> str:
+    """Create or upgrade the schema to the newest revision; returns that revision."""
+    with engine.begin() as conn:
+        _lock(conn)
+        _upgrade_locked(conn, schema)
+        rev = current_revision(conn, schema)
+    assert rev is not None
+    return rev
+
+
+def ensure_schema(engine: Engine, schema: Optional[str] = None) -> None:
+    """Create the schema of a brand-new database; refuse one at another revision."""
+    head = head_revision()
+    with engine.connect().execution_options(wq_read=True) as conn:
+        rev = current_revision(conn, schema)
+        conn.rollback()
+    if rev == head:
+        return
+    if rev is None:
+        with engine.begin() as conn:
+            _lock(conn)
+            rev = current_revision(conn, schema)
+            if rev is None:
+                existing = [t for t in inspect(conn).get_table_names(schema=schema) if t.startswith("wq_")]
+                if existing:
+                    raise SchemaOutdated(
+                        f"{safe_url(engine.url)} has wq_sql tables ({', '.join(sorted(existing))}) but no "
+                        "alembic_version row; it was not created by wq_sql's migrations. Stamp or drop it.")
+                _upgrade_locked(conn, schema)
+                return
+    if rev != head:
+        where = f"--url '{safe_url(engine.url)}'" + (f" --schema {schema}" if schema else "")
+        raise SchemaOutdated(
+            f"the database is at schema revision {rev!r}, this wq_sql needs {head!r}. "
+            f"Upgrade it with: python -m wq_sql upgrade {where}  (or wq_sql.upgrade(url)). "
+            "If the database is newer, upgrade wq_sql instead.")

@@ -1,0 +1,224 @@
+"""Tables of the job table, as typed SQLAlchemy 2.x models, and the audit views.
+
+Every state-changing statement lives in ``wq_sql.ops``; this module only declares.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Optional
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from wq_sql.states import CLAIMED, EVENT_KINDS, ITEM_STATES, PENDING
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite has no 64-bit autoincrement type other than INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timezone-aware UTC timestamp that round-trips on SQLite (stored naive, in UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Optional[dt.datetime], dialect: Any) -> Optional[dt.datetime]:
+        if value is not None and value.tzinfo is not None and dialect.name == "sqlite":
+            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Optional[dt.datetime], dialect: Any) -> Optional[dt.datetime]:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt.timezone.utc)
+        return value
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Queue(Base):
+    """One queue (DeepRec's ``name``): its configuration and how many epochs have rows."""
+
+    __tablename__ = "wq_queues"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    works_digest: Mapped[str] = mapped_column(String(64))
+    n_works: Mapped[int] = mapped_column(Integer)  # items per epoch
+    num_epochs: Mapped[int] = mapped_column(BigInteger)
+    shuffle: Mapped[bool] = mapped_column(Boolean)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    num_slices: Mapped[Optional[int]] = mapped_column(Integer)
+    prefix: Mapped[Optional[str]] = mapped_column(Text)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    # Epochs 0 .. epochs_created-1 have item rows; the next is made on demand, exactly once.
+    epochs_created: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, server_default=text("CURRENT_TIMESTAMP"))
+
+
+class Work(Base):
+    """The works of a queue after normalisation (and slicing), in the order given."""
+
+    __tablename__ = "wq_works"
+
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    work: Mapped[str] = mapped_column(Text)
+
+
+class Worker(Base):
+    """A worker identity within a queue; ``incarnation`` changes each time a process takes it."""
+
+    __tablename__ = "wq_workers"
+    __table_args__ = (UniqueConstraint("queue_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    incarnation: Mapped[str] = mapped_column(String(32))
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    proc_start: Mapped[Optional[int]] = mapped_column(BigInteger)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    # NULL once the worker closed cleanly.
+    heartbeat_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
+
+
+class Item(Base):
+    """One work item of one epoch. ``seq`` is its hand-out position within the epoch."""
+
+    __tablename__ = "wq_items"
+    __table_args__ = (
+        UniqueConstraint("queue_id", "epoch", "seq"),
+        CheckConstraint(_in("state", ITEM_STATES), name="state"),
+        # The claim's ORDER BY, on claimable rows only.
+        Index(
+            "ix_wq_items_pending",
+            "queue_id",
+            "epoch",
+            "seq",
+            sqlite_where=text(f"state = '{PENDING}'"),
+            postgresql_where=text(f"state = '{PENDING}'"),
+        ),
+        # Lease expiry, heartbeat renewal and crash recovery scan only claimed rows.
+        Index(
+            "ix_wq_items_claimed",
+            "queue_id",
+            "worker_id",
+            "lease_until",
+            sqlite_where=text(f"state = '{CLAIMED}'"),
+            postgresql_where=text(f"state = '{CLAIMED}'"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"))
+    epoch: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    work_idx: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(10), server_default=PENDING)
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    worker_id: Mapped[Optional[int]] = mapped_column(ForeignKey("wq_workers.id", ondelete="SET NULL"))
+    token: Mapped[Optional[int]] = mapped_column(BigInteger)
+    claimed_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
+    lease_until: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
+    done_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
+    last_error: Mapped[Optional[str]] = mapped_column(Text)
+
+
+class Tally(Base):
+    """Counters per (queue, epoch, worker): each worker only writes its own rows, so acks never
+    contend on a shared counter; progress is a sum over a handful of rows, never a scan of items."""
+
+    __tablename__ = "wq_tallies"
+
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    worker_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    n_done: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    n_failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class Event(Base):
+    """Append-only history: one row per item transition, written in the transaction that made it."""
+
+    __tablename__ = "wq_events"
+    __table_args__ = (
+        CheckConstraint(_in("kind", EVENT_KINDS), name="kind"),
+        Index("ix_wq_events_queue_item", "queue_id", "item_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"))
+    item_id: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(10))
+    worker_id: Mapped[Optional[int]] = mapped_column(Integer)
+    token: Mapped[Optional[int]] = mapped_column(BigInteger)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    detail: Mapped[Optional[str]] = mapped_column(Text)
+
+
+# Stable, documented views for auditors. Plain SQL, identical on both backends.
+AUDIT_VIEW = "wq_audit"
+AUDIT_VIEW_SQL = """
+SELECT q.name AS queue, i.epoch AS epoch, i.seq AS seq, w.work AS work,
+       wk.name AS worker, i.state AS state, i.attempts AS attempts,
+       i.claimed_at AS claimed_at, i.done_at AS done_at, i.last_error AS last_error,
+       i.id AS item_id
+FROM {s}wq_items i
+JOIN {s}wq_queues q ON q.id = i.queue_id
+JOIN {s}wq_works w ON w.queue_id = i.queue_id AND w.idx = i.work_idx
+LEFT JOIN {s}wq_workers wk ON wk.id = i.worker_id
+"""
+
+EVENTS_VIEW = "wq_history"
+EVENTS_VIEW_SQL = """
+SELECT q.name AS queue, e.epoch AS epoch, e.seq AS seq, e.kind AS kind,
+       wk.name AS worker, e.at AS at, e.detail AS detail, e.item_id AS item_id, e.id AS event_id
+FROM {s}wq_events e
+JOIN {s}wq_queues q ON q.id = e.queue_id
+LEFT JOIN {s}wq_workers wk ON wk.id = e.worker_id
+"""
+
+VIEWS = {AUDIT_VIEW: AUDIT_VIEW_SQL, EVENTS_VIEW: EVENTS_VIEW_SQL}
+
+
+def create_view_sql(name: str, schema: Optional[str] = None) -> str:
+    """``CREATE VIEW`` for one of :data:`VIEWS`, its tables qualified by ``schema`` when given."""
+    s = f'"{schema}".' if schema else ""
+    return f"CREATE VIEW {s}{name} AS {VIEWS[name].format(s=s)}"
+
+
+def drop_view_sql(name: str, schema: Optional[str] = None) -> str:
+    s = f'"{schema}".' if schema else ""
+    return f"DROP VIEW IF EXISTS {s}{name}"

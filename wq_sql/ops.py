@@ -1,0 +1,371 @@
+"""Every statement that changes the queue, in one place.
+
+Each function runs inside a transaction its caller opened (``WorkQueue`` owns transactions), and
+writes the ``wq_events`` rows and ``wq_tallies`` counters of the transitions it makes in that
+same transaction.
+
+The claim is one statement on both backends::
+
+    WITH c AS MATERIALIZED (SELECT id FROM wq_items
+                            WHERE queue_id = :q AND state = 'pending'
+                            ORDER BY epoch, seq LIMIT :n FOR UPDATE SKIP LOCKED)
+    UPDATE wq_items SET state = 'claimed', worker_id = :w, token = :t, ...
+    FROM c WHERE wq_items.id = c.id RETURNING ...
+
+Every filter sits inside the CTE, so at most ``n`` rows are updated. On Postgres, ``SKIP LOCKED``
+lets concurrent claimers pass each other's rows. SQLite has no row locks and renders no ``FOR
+UPDATE``; it is safe because every write transaction starts with ``BEGIN IMMEDIATE``, which takes
+the database's single write lock before the SELECT runs, so two claims never see the same pending
+row (the second one waits, then sees the first one's committed update).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from sqlalchemy import Connection, case, func, insert, select, tuple_, update
+from sqlalchemy.sql import Select
+
+from wq_sql.engine import Backend
+from wq_sql.models import Event, Item, Queue, Tally, Work, Worker
+from wq_sql.plan import QueueSpec, epoch_order
+from wq_sql.states import (
+    CLAIMED,
+    DONE,
+    EV_CLAIM,
+    EV_DONE,
+    EV_EXPIRE,
+    EV_FAIL,
+    EV_RECOVER,
+    EV_RELEASE,
+    FAILED,
+    PENDING,
+)
+
+items = Item.__table__
+queues = Queue.__table__
+works_t = Work.__table__
+workers = Worker.__table__
+tallies = Tally.__table__
+events = Event.__table__
+
+INSERT_CHUNK = 10_000
+
+
+def new_token() -> int:
+    return secrets.randbits(62) + 1
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One claimed row, as the claim returns it."""
+
+    id: int
+    epoch: int
+    seq: int
+    work_idx: int
+    token: int
+    attempts: int
+
+
+# ---------------------------------------------------------------- queue creation and epochs
+
+
+def find_queue(conn: Connection, name: str) -> Optional[Any]:
+    return conn.execute(select(queues).where(queues.c.name == name)).one_or_none()
+
+
+def create_queue(conn: Connection, b: Backend, name: str, spec: QueueSpec, works: Sequence[str],
+                 seed: int, max_attempts: int) -> Optional[int]:
+    """Insert the queue, the works of one epoch (``spec.works`` after slicing) and epoch 0;
+    ``None`` if a queue of that name exists.
+
+    Concurrent creators are serialised by the unique name (Postgres: the loser's INSERT waits for
+    the winner's commit, then does nothing; SQLite: ``BEGIN IMMEDIATE``)."""
+    stmt = (b.insert(queues).values(
+        name=name, works_digest=spec.works_digest, n_works=len(works), num_epochs=spec.num_epochs,
+        shuffle=spec.shuffle, seed=seed, num_slices=spec.num_slices, prefix=spec.prefix,
+        max_attempts=max_attempts, epochs_created=1,
+    ).on_conflict_do_nothing(index_elements=["name"]).returning(queues.c.id))
+    qid = conn.execute(stmt).scalar_one_or_none()
+    if qid is None:
+        return None
+    _insert_chunked(conn, works_t, ({"queue_id": qid, "idx": i, "work": w} for i, w in enumerate(works)))
+    insert_epoch(conn, qid, len(works), 0, spec.shuffle, seed)
+    return qid
+
+
+def _insert_chunked(conn: Connection, table: Any, rows: Iterable[dict[str, Any]]) -> None:
+    batch: list[dict[str, Any]] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= INSERT_CHUNK:
+            conn.execute(insert(table), batch)
+            batch = []
+    if batch:
+        conn.execute(insert(table), batch)
+
+
+def insert_epoch(conn: Connection, qid: int, n: int, epoch: int, shuffle: bool, seed: int) -> None:
+    order = epoch_order(n, epoch, shuffle, seed)
+    _insert_chunked(conn, items, (
+        {"queue_id": qid, "epoch": epoch, "seq": seq, "work_idx": idx, "state": PENDING, "attempts": 0}
+        for seq, idx in enumerate(order)))
+
+
+def advance_epoch(conn: Connection, qid: int, have: int) -> Optional[int]:
+    """Create epoch ``have`` if the queue still has exactly ``have`` epochs of rows.
+
+    The conditional UPDATE makes it exactly-once under concurrency: a second caller waits for the
+    first one's row lock and then matches nothing. Returns the new count, or ``None`` if another
+    worker got there first (or every epoch exists)."""
+    row = conn.execute(
+        update(queues)
+        .where(queues.c.id == qid, queues.c.epochs_created == have, queues.c.num_epochs > have)
+        .values(epochs_created=have + 1)
+        .returning(queues.c.n_works, queues.c.shuffle, queues.c.seed)
+    ).one_or_none()
+    if row is None:
+        return None
+    insert_epoch(conn, qid, row.n_works, have, row.shuffle, row.seed)
+    return have + 1
+
+
+def extend_epochs(conn: Connection, qid: int, num_epochs: int) -> int:
+    return conn.execute(
+        update(queues).where(queues.c.id == qid, queues.c.num_epochs <= num_epochs)
+        .values(num_epochs=num_epochs).returning(queues.c.num_epochs)).scalar_one_or_none() or 0
+
+
+def works_by_idx(conn: Connection, qid: int, idxs: Sequence[int]) -> dict[int, str]:
+    rows = conn.execute(select(works_t.c.idx, works_t.c.work)
+                        .where(works_t.c.queue_id == qid, works_t.c.idx.in_(sorted(set(idxs)))))
+    return {r.idx: r.work for r in rows}
+
+
+# ---------------------------------------------------------------- events and counters
+
+
+def _log(conn: Connection, b: Backend, qid: int, kind: str, rows: Iterable[Any],
+         worker_id: Optional[int] = None, detail: Optional[str] = None) -> None:
+    batch = [{"queue_id": qid, "item_id": r.id, "epoch": r.epoch, "seq": r.seq, "kind": kind,
+              "worker_id": worker_id if worker_id is not None else r.worker_id,
+              "token": getattr(r, "token", None), "detail": detail} for r in rows]
+    if batch:
+        conn.execute(insert(events).values(at=b.now()), batch)
+
+
+def _tally(conn: Connection, b: Backend, qid: int, rows: Iterable[Any], column: str,
+           worker_id: Optional[int] = None) -> None:
+    counts: dict[tuple[int, int], int] = {}
+    for r in rows:
+        key = (r.epoch, worker_id if worker_id is not None else r.worker_id)
+        counts[key] = counts.get(key, 0) + 1
+    for (epoch, wid), k in counts.items():
+        stmt = b.insert(tallies).values(queue_id=qid, epoch=epoch, worker_id=wid, **{column: k})
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["queue_id", "epoch", "worker_id"],
+            set_={column: getattr(tallies.c, column) + getattr(stmt.excluded, column)})
+        conn.execute(stmt)
+
+
+# ---------------------------------------------------------------- claim and ack
+
+
+def claim_statement(b: Backend, n: int, lease_seconds: float) -> Any:
+    """The claim (see the module docstring); bound parameters ``q``, ``w`` and ``t``."""
+    from sqlalchemy import bindparam
+
+    c = (select(items.c.id).where(items.c.queue_id == bindparam("q"), items.c.state == PENDING)
+         .order_by(items.c.epoch, items.c.seq).limit(n)
+         .with_for_update(skip_locked=True)
+         .cte("c").prefix_with("MATERIALIZED"))
+    return (update(items).where(items.c.id == c.c.id)
+            .values(state=CLAIMED, worker_id=bindparam("w"), token=bindparam("t"),
+                    claimed_at=b.now(), lease_until=b.now_plus(lease_seconds), done_at=None)
+            .returning(items.c.id, items.c.epoch, items.c.seq, items.c.work_idx, items.c.attempts))
+
+
+def claim(conn: Connection, b: Backend, stmt: Any, qid: int, worker_id: int) -> list[Claimed]:
+    token = new_token()
+    rows = conn.execute(stmt, {"q": qid, "w": worker_id, "t": token}).all()
+    got = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in rows),
+                 key=lambda c: (c.epoch, c.seq))
+    _log(conn, b, qid, EV_CLAIM, got, worker_id)
+    return got
+
+
+def _fenced(pairs: Sequence[tuple[int, int]]) -> Any:
+    return tuple_(items.c.id, items.c.token).in_(list(pairs))
+
+
+def complete(conn: Connection, b: Backend, qid: int, worker_id: int,
+             pairs: Sequence[tuple[int, int]]) -> set[int]:
+    """Mark claimed items done, fenced by ``(id, token)``; returns the ids accepted.
+
+    An id missing from the result lost its lease: someone else holds it now, or finished it."""
+    if not pairs:
+        return set()
+    rows = conn.execute(
+        update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+        .values(state=DONE, done_at=b.now(), lease_until=None)
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
+    _log(conn, b, qid, EV_DONE, rows, worker_id)
+    _tally(conn, b, qid, rows, "n_done", worker_id)
+    return {r.id for r in rows}
+
+
+def release(conn: Connection, b: Backend, qid: int, worker_id: int,
+            pairs: Sequence[tuple[int, int]]) -> set[int]:
+    """Give claimed items back without counting an attempt."""
+    if not pairs:
+        return set()
+    rows = conn.execute(
+        update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+        .values(state=PENDING, token=None, lease_until=None)
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
+    _log(conn, b, qid, EV_RELEASE, rows, worker_id)
+    return {r.id for r in rows}
+
+
+def _after_attempt(max_attempts: int) -> Any:
+    return case((items.c.attempts + 1 >= max_attempts, FAILED), else_=PENDING)
+
+
+def fail(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequence[tuple[int, int]],
+         error: str, max_attempts: int) -> set[int]:
+    """Count a failed attempt; the item goes back to pending, or to failed after ``max_attempts``."""
+    if not pairs:
+        return set()
+    state = _after_attempt(max_attempts)
+    rows = conn.execute(
+        update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+        .values(state=state, attempts=items.c.attempts + 1, last_error=error, lease_until=None,
+                done_at=case((state == FAILED, b.now()), else_=None))
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.token)).all()
+    _log(conn, b, qid, EV_FAIL, rows, worker_id, error)
+    _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed", worker_id)
+    return {r.id for r in rows}
+
+
+def expire(conn: Connection, b: Backend, qid: int, max_attempts: int) -> int:
+    """Return items whose lease ran out to the queue (an attempt each); returns how many.
+
+    Only claimed rows are scanned (partial index). The row keeps ``worker_id``, the last holder,
+    which the event records too, so the audit shows who held an item before a crash."""
+    state = _after_attempt(max_attempts)
+    locked = (select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED,
+                                       items.c.lease_until < b.now())
+              .with_for_update(skip_locked=True).cte("x").prefix_with("MATERIALIZED"))
+    rows = conn.execute(
+        update(items).where(items.c.id == locked.c.id)
+        .values(state=state, attempts=items.c.attempts + 1, token=None, lease_until=None,
+                last_error="lease expired", done_at=case((state == FAILED, b.now()), else_=None))
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.worker_id)).all()
+    _log(conn, b, qid, EV_EXPIRE, rows, detail="lease expired")
+    _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed")
+    return len(rows)
+
+
+def renew(conn: Connection, b: Backend, worker_id: int, incarnation: str, tokens: Sequence[int],
+          lease_seconds: float, max_item_seconds: Optional[float]) -> bool:
+    """Heartbeat: refresh the worker row and the leases of the items this incarnation holds.
+
+    Returns False when another process has taken over this identity (the row's incarnation
+    changed): the caller must stop using its items."""
+    alive = conn.execute(update(workers).where(workers.c.id == worker_id,
+                                               workers.c.incarnation == incarnation)
+                         .values(heartbeat_at=b.now())).rowcount
+    if not alive:
+        return False
+    if tokens:
+        cond = [items.c.worker_id == worker_id, items.c.state == CLAIMED, items.c.token.in_(list(tokens))]
+        if max_item_seconds is not None:
+            cond.append(items.c.claimed_at > b.now_plus(-max_item_seconds))
+        conn.execute(update(items).where(*cond).values(lease_until=b.now_plus(lease_seconds)))
+    return True
+
+
+# ---------------------------------------------------------------- workers
+
+
+def find_worker(conn: Connection, qid: int, name: str, lock: bool) -> Optional[Any]:
+    stmt: Select[Any] = select(workers).where(workers.c.queue_id == qid, workers.c.name == name)
+    if lock:
+        stmt = stmt.with_for_update()
+    return conn.execute(stmt).one_or_none()
+
+
+def heartbeat_age(conn: Connection, b: Backend, worker_id: int) -> Optional[float]:
+    """Seconds since the worker's last heartbeat, by the database clock (None: closed cleanly)."""
+    hb = conn.execute(select(workers.c.heartbeat_at).where(workers.c.id == worker_id)).scalar_one()
+    if hb is None:
+        return None
+    now = conn.execute(select(b.now())).scalar_one()
+    if isinstance(now, str):  # SQLite's text clock
+        import datetime as dt
+
+        now = dt.datetime.fromisoformat(now).replace(tzinfo=dt.timezone.utc)
+    return (now - hb).total_seconds()
+
+
+def insert_worker(conn: Connection, b: Backend, qid: int, name: str, incarnation: str, host: str,
+                  pid: int, proc_start: Optional[int]) -> Optional[int]:
+    return conn.execute(
+        b.insert(workers).values(queue_id=qid, name=name, incarnation=incarnation, host=host, pid=pid,
+                                 proc_start=proc_start, started_at=b.now(), heartbeat_at=b.now())
+        .on_conflict_do_nothing(index_elements=["queue_id", "name"]).returning(workers.c.id)
+    ).scalar_one_or_none()
+
+
+def take_over_worker(conn: Connection, b: Backend, worker_id: int, incarnation: str, host: str,
+                     pid: int, proc_start: Optional[int]) -> None:
+    conn.execute(update(workers).where(workers.c.id == worker_id).values(
+        incarnation=incarnation, host=host, pid=pid, proc_start=proc_start,
+        started_at=b.now(), heartbeat_at=b.now()))
+
+
+def close_worker(conn: Connection, worker_id: int, incarnation: str) -> None:
+    conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.incarnation == incarnation)
+                 .values(heartbeat_at=None))
+
+
+def recover(conn: Connection, b: Backend, qid: int, worker_id: int, lease_seconds: float,
+            max_attempts: int) -> list[Claimed]:
+    """A restarted worker takes back the items its dead predecessor still held, before their lease
+    expires (DeepRec's LocalWorkMgr replays restored works first). The crash counts as an attempt,
+    so an item that kills its worker every time ends ``failed`` instead of looping."""
+    token = new_token()
+    rows = conn.execute(
+        update(items).where(items.c.queue_id == qid, items.c.worker_id == worker_id,
+                            items.c.state == CLAIMED)
+        .values(attempts=items.c.attempts + 1,
+                state=case((items.c.attempts + 1 >= max_attempts, FAILED), else_=CLAIMED),
+                token=token, lease_until=b.now_plus(lease_seconds),
+                done_at=case((items.c.attempts + 1 >= max_attempts, b.now()), else_=None))
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.work_idx, items.c.attempts,
+                   items.c.state, items.c.worker_id)).all()
+    failed = [r for r in rows if r.state == FAILED]
+    kept = [r for r in rows if r.state != FAILED]
+    _log(conn, b, qid, EV_RECOVER, kept, worker_id, "restarted worker took its items back")
+    _log(conn, b, qid, EV_FAIL, failed, worker_id, "worker died holding it too often")
+    _tally(conn, b, qid, failed, "n_failed", worker_id)
+    return sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in kept),
+                  key=lambda c: (c.epoch, c.seq))
+
+
+# ---------------------------------------------------------------- progress
+
+
+def progress(conn: Connection, qid: int) -> tuple[int, int]:
+    """(done, failed) over all epochs, from the counters."""
+    row = conn.execute(select(func.coalesce(func.sum(tallies.c.n_done), 0),
+                              func.coalesce(func.sum(tallies.c.n_failed), 0))
+                       .where(tallies.c.queue_id == qid)).one()
+    return int(row[0]), int(row[1])
+
+
+def epochs_created(conn: Connection, qid: int) -> int:
+    return conn.execute(select(queues.c.epochs_created).where(queues.c.id == qid)).scalar_one()

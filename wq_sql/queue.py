@@ -1,0 +1,624 @@
+"""The public facade: ``WorkQueue`` owns the engine, the transactions, the local buffer of claimed
+items and the heartbeat thread. Statements live in ``wq_sql.ops``."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from wq_sql import ops
+from wq_sql.engine import Backend, make_engine, resolve_url, safe_url
+from wq_sql.errors import (
+    DatabaseBusy,
+    InvalidInput,
+    LeaseLost,
+    QueueConfigMismatch,
+    QueueEmpty,
+    QueueExhausted,
+    QueueNotFound,
+    WorkerConflict,
+    WqSqlError,
+)
+from wq_sql.identity import (
+    check_worker_name,
+    default_worker_name,
+    hostname,
+    process_alive,
+    process_start,
+)
+from wq_sql.migrate import ensure_schema
+from wq_sql.plan import (
+    QueueSpec,
+    Work,
+    check_num_epochs,
+    check_num_slices,
+    check_seed,
+    new_seed,
+    normalize_works,
+    slice_works,
+)
+
+log = logging.getLogger("wq_sql")
+T = TypeVar("T")
+
+_live: "weakref.WeakSet[WorkQueue]" = weakref.WeakSet()
+
+
+class WorkItem(str):
+    """A work string as handed out (``prefix + work``), carrying which item it is, so that
+    ``complete``/``release``/``fail`` act on exactly this hand-out even when works repeat."""
+
+    __slots__ = ("work", "epoch", "seq", "item_id", "token", "attempts")
+    work: str
+    epoch: int
+    seq: int
+    item_id: int
+    token: int
+    attempts: int
+
+    def __new__(cls, value: str, work: str, claimed: ops.Claimed) -> "WorkItem":
+        self = super().__new__(cls, value)
+        self.work, self.epoch, self.seq = work, claimed.epoch, claimed.seq
+        self.item_id, self.token, self.attempts = claimed.id, claimed.token, claimed.attempts
+        return self
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.item_id, self.token)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Counts for one queue; ``pending`` includes items of epochs not yet created."""
+
+    total: int
+    done: int
+    failed: int
+    epochs_created: int
+    num_epochs: int
+    items_per_epoch: int
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.done - self.failed
+
+
+class WorkQueue:
+    """A global queue of work items in a SQL table that many worker processes claim from.
+
+    Every worker constructs the same ``WorkQueue(...)``; whichever comes first creates the queue,
+    the rest join it. Fast workers take more items, slow ones fewer::
+
+        from wq_sql import WorkQueue, QueueExhausted
+        with WorkQueue(["a.txt", "b.txt", "c.txt"], num_epochs=2, url="sqlite:///q.db") as wq:
+            for path in wq:          # each item is done when the next is taken
+                train_on(path)
+
+    Arguments before ``*`` are DeepRec's. ``url`` defaults to ``$WQ_SQL_URL``, else
+    ``sqlite:///wq_sql.db``; ``worker`` to ``$WQ_SQL_WORKER``, else ``$TF_CONFIG``'s task, else
+    ``host:pid``. ``lease_seconds`` is how long an item stays claimed after its worker stops
+    heartbeating; ``lease_ahead`` how many items one round trip claims; ``max_attempts`` how many
+    failed deliveries (``fail()``, expired lease, crash) make an item ``failed``.
+    ``auto_complete=False`` makes ``take()`` stop marking earlier items done: call
+    ``complete(item)`` yourself.
+    """
+
+    def __init__(self, works: Optional[Sequence[Work]], num_epochs: int = 1, shuffle: bool = True,
+                 seed: Optional[int] = None, prefix: Optional[str] = None,
+                 num_slices: Optional[int] = None, name: str = "work_queue", *,
+                 url: Optional[str | URL] = None, worker: Optional[str] = None,
+                 lease_seconds: float = 60.0, lease_ahead: int = 1, max_attempts: int = 3,
+                 auto_complete: bool = True, max_item_seconds: Optional[float] = None,
+                 heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
+                 busy_timeout: float = 30.0, schema: Optional[str] = None,
+                 engine: Optional[Engine] = None) -> None:
+        self.name = _check_name(name)
+        self._attach = works is None
+        if not self._attach:
+            assert works is not None
+            spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
+                             check_seed(seed), check_num_slices(num_slices), _check_prefix(prefix))
+        _check_positive("lease_seconds", lease_seconds)
+        _check_positive("busy_timeout", busy_timeout)
+        _check_positive("poll_seconds", poll_seconds)
+        if isinstance(lease_ahead, bool) or not isinstance(lease_ahead, int) or lease_ahead < 1:
+            raise InvalidInput(f"lease_ahead must be a positive int, got {lease_ahead!r}")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise InvalidInput(f"max_attempts must be a positive int, got {max_attempts!r}")
+        if max_item_seconds is not None:
+            _check_positive("max_item_seconds", max_item_seconds)
+        self.lease_seconds = float(lease_seconds)
+        self.lease_ahead = lease_ahead
+        self.auto_complete = auto_complete
+        self.max_item_seconds = max_item_seconds
+        self.heartbeat_seconds = float(heartbeat_seconds or min(self.lease_seconds / 6.0, 5.0))
+        _check_positive("heartbeat_seconds", self.heartbeat_seconds)
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise InvalidInput("heartbeat_seconds must be at most half of lease_seconds, or leases "
+                               "of live workers would expire between two heartbeats")
+        # Another process holds an identity until its heartbeat is this old.
+        self.dead_after = 3.0 * self.heartbeat_seconds
+        self.poll_seconds = float(poll_seconds)
+        self.busy_timeout = float(busy_timeout)
+        self.schema = schema
+        self._url = resolve_url(url) if engine is None else engine.url
+        self._engine = engine or make_engine(self._url, schema=schema, busy_timeout=busy_timeout)
+        self._backend = Backend(self._engine.dialect.name)
+        self._worker_given = worker is not None
+        self.worker = check_worker_name(worker if worker is not None else default_worker_name())
+
+        self._lock = threading.RLock()
+        self._buffer: deque[WorkItem] = deque()      # claimed, not yet handed out
+        self._out: dict[int, WorkItem] = {}          # handed out, not yet acknowledged
+        self._acks: dict[int, WorkItem] = {}         # to be marked done in the next transaction
+        self._closed = False
+        self._superseded = False
+        self._stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+
+        self._retrying(lambda: ensure_schema(self._engine, schema))
+        row = self._open(None if self._attach else spec, max_attempts)
+        self._qid: int = row.id
+        self.num_epochs: int = row.num_epochs
+        self.shuffle: bool = row.shuffle
+        self.seed: int = row.seed
+        self.num_slices: Optional[int] = row.num_slices
+        self.items_per_epoch: int = row.n_works
+        self.max_attempts: int = row.max_attempts
+        self.prefix: Optional[str] = row.prefix if self._attach else spec.prefix
+        self._epochs_created: int = row.epochs_created
+        self._claim_stmt = ops.claim_statement(self._backend, lease_ahead, self.lease_seconds)
+        self._register()
+        _live.add(self)
+
+    @classmethod
+    def attach(cls, name: str = "work_queue", **kwargs: Any) -> "WorkQueue":
+        """Join an existing queue without repeating its works: ``WorkQueue.attach("q", url=...)``."""
+        return cls(None, name=name, **kwargs)
+
+    # ------------------------------------------------------------------ transactions
+
+    def _tx(self, fn: Callable[[Connection], T], *, read: bool = False) -> T:
+        """Run ``fn`` in one transaction (see :meth:`_retrying`)."""
+        def once() -> T:
+            with self._engine.connect() as conn:
+                if read:
+                    conn.execution_options(wq_read=True)
+                with conn.begin():
+                    return fn(conn)
+        return self._retrying(once)
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        """Retry while SQLite is locked (up to ``busy_timeout``, then :class:`DatabaseBusy`) and
+        while a Postgres connection is re-established after a disconnect."""
+        deadline = time.monotonic() + self.busy_timeout
+        delay = 0.01
+        while True:
+            try:
+                return fn()
+            except OperationalError as e:
+                busy = self._backend.is_sqlite and "locked" in str(e.orig)
+                if not busy and not e.connection_invalidated:
+                    raise
+                if time.monotonic() >= deadline:
+                    if busy:
+                        raise DatabaseBusy(
+                            f"the SQLite database {safe_url(self._url)} stayed locked for "
+                            f"{self.busy_timeout:.0f}s; raise busy_timeout= or use fewer writers") from None
+                    raise
+                log.debug("retrying transaction after %s", type(e.orig).__name__)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
+
+    # ------------------------------------------------------------------ opening and joining
+
+    def _open(self, spec: Optional[QueueSpec], max_attempts: int) -> Any:
+        row = self._tx(lambda c: ops.find_queue(c, self.name), read=True)
+        if row is None and spec is None:
+            raise QueueNotFound(f"no queue named {self.name!r} in {safe_url(self._url)}; create it "
+                                "with WorkQueue(works, name=...) first")
+        if row is None:
+            assert spec is not None
+            items = slice_works(spec.works, spec.num_slices)
+            seed = spec.seed if spec.seed is not None else new_seed()
+
+            def create(c: Connection) -> tuple[Optional[int], Any]:
+                qid = ops.create_queue(c, self._backend, self.name, spec, items, seed, max_attempts)
+                return qid, ops.find_queue(c, self.name)
+
+            qid, row = self._tx(create)
+            if qid is not None:
+                log.info("created queue %r: %d items per epoch, %d epochs", self.name,
+                         row.n_works, row.num_epochs)
+        if spec is not None:
+            diffs = _differences(row, spec)
+            if diffs:
+                raise QueueConfigMismatch(self.name, diffs)
+        done, failed = self._tx(lambda c: ops.progress(c, row.id), read=True)
+        if done + failed >= row.n_works * row.num_epochs:
+            log.warning("queue %r is already finished (%d done, %d failed): take() will raise "
+                        "QueueExhausted. Use another name, or reset it to start over.",
+                        self.name, done, failed)
+        return row
+
+    def _register(self) -> None:
+        """Take this worker identity, waiting briefly for a dead predecessor to be recognised as
+        dead; a live holder of the same identity is an error."""
+        self._incarnation = uuid.uuid4().hex
+        host, pid, start = hostname(), os.getpid(), process_start(os.getpid())
+        deadline = time.monotonic() + self.dead_after + self.heartbeat_seconds
+        b = self._backend
+
+        def attempt(c: Connection) -> tuple[str, Any]:
+            wid = ops.insert_worker(c, b, self._qid, self.worker, self._incarnation, host, pid, start)
+            if wid is not None:
+                return "ok", (wid, [])
+            row = ops.find_worker(c, self._qid, self.worker, lock=True)
+            if row.heartbeat_at is not None:
+                if row.host == host:
+                    if process_alive(row.pid, row.proc_start):
+                        return "live", row
+                else:
+                    age = ops.heartbeat_age(c, b, row.id)
+                    if age is not None and age < self.dead_after:
+                        return "wait", row
+            ops.take_over_worker(c, b, row.id, self._incarnation, host, pid, start)
+            return "ok", (row.id, ops.recover(c, b, self._qid, row.id, self.lease_seconds,
+                                              self.max_attempts))
+
+        while True:
+            status, value = self._tx(attempt)
+            if status == "ok":
+                break
+            if status == "wait" and time.monotonic() < deadline:
+                time.sleep(min(0.5, self.heartbeat_seconds))
+                continue
+            raise WorkerConflict(
+                f"worker {self.worker!r} of queue {self.name!r} is already held by a live process "
+                f"(pid {value.pid} on {value.host}); give each process its own worker= "
+                "(or $WQ_SQL_WORKER), or stop the other one first")
+        self._worker_id, recovered = value
+        if recovered:
+            log.warning("worker %r recovered %d item(s) its previous process held", self.worker,
+                        len(recovered))
+            works = self._tx(lambda c: ops.works_by_idx(c, self._qid, [r.work_idx for r in recovered]),
+                             read=True)
+            self._buffer.extend(self._wrap(r, works) for r in recovered)
+        self._stop.clear()
+        self._heartbeat = threading.Thread(target=_heartbeat_loop, args=(weakref.ref(self), self._stop),
+                                           name=f"wq_sql-heartbeat-{self.name}", daemon=True)
+        self._heartbeat.start()
+
+    def _wrap(self, c: ops.Claimed, works: dict[int, str]) -> WorkItem:
+        work = works[c.work_idx]
+        return WorkItem((self.prefix or "") + work, work, c)
+
+    # ------------------------------------------------------------------ taking
+
+    def take(self, timeout: Optional[float] = None) -> WorkItem:
+        """The next work item (a ``str``); raises :class:`QueueExhausted` at the end.
+
+        Taking an item marks the items this queue object handed out before as done (unless
+        ``auto_complete=False``). While nothing is claimable but live workers still hold items,
+        waits (they may die and their items come back); ``timeout`` bounds that wait, after which
+        :class:`QueueEmpty` is raised (``timeout=0``: never wait)."""
+        self._ensure_process()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.02
+        while True:
+            with self._lock:
+                self._check_usable()
+                if self.auto_complete:
+                    self._acks.update(self._out)
+                    self._out.clear()
+                if not self._buffer:
+                    self._fill()
+                if self._buffer:
+                    item = self._buffer.popleft()
+                    self._out[item.item_id] = item
+                    return item
+            # Nothing claimable now: wait without holding the lock, so that other threads can
+            # complete items (which may be what ends the queue).
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QueueEmpty(f"no item of queue {self.name!r} is claimable now; other workers "
+                                 "still hold the remaining ones")
+            sleep = pause * (0.5 + random.random())
+            if deadline is not None:
+                sleep = max(0.0, min(sleep, deadline - time.monotonic()))
+            time.sleep(sleep)
+            pause = min(pause * 2, self.poll_seconds)
+
+    def __iter__(self) -> Iterator[WorkItem]:
+        while True:
+            try:
+                yield self.take()
+            except QueueExhausted:
+                return
+
+    def _fill(self) -> None:
+        """One round trip: acknowledge finished items and claim up to ``lease_ahead`` new ones.
+        If none is claimable, try to make the next epoch, return expired items, or detect the end."""
+        b, qid, wid = self._backend, self._qid, self._worker_id
+        acks = list(self._acks.values())
+
+        def claim(c: Connection) -> tuple[set[int], list[ops.Claimed], dict[int, str]]:
+            accepted = ops.complete(c, b, qid, wid, [a.key for a in acks])
+            got = ops.claim(c, b, self._claim_stmt, qid, wid)
+            works = ops.works_by_idx(c, qid, [g.work_idx for g in got]) if got else {}
+            return accepted, got, works
+
+        accepted, got, works = self._tx(claim)
+        self._settle_acks(acks, accepted)
+        self._buffer.extend(self._wrap(g, works) for g in got)
+        if got:
+            if max(g.epoch for g in got) + 1 >= self._epochs_created:
+                self._advance_epoch()
+            return
+        # Nothing pending. The next epoch may be missing (a crash between a claim and its
+        # advance), leases may have expired, or the queue may be finished.
+        if self._advance_epoch() or self._tx(lambda c: ops.expire(c, b, qid, self.max_attempts)):
+            return self._fill()
+        done, failed = self._tx(lambda c: ops.progress(c, qid), read=True)
+        if done + failed >= self.items_per_epoch * self.num_epochs:
+            raise QueueExhausted(self.name, done, failed)
+
+    def _advance_epoch(self) -> bool:
+        if self._epochs_created >= self.num_epochs:
+            return False
+        have = self._epochs_created
+
+        def advance(c: Connection) -> Optional[int]:
+            made = ops.advance_epoch(c, self._qid, have)
+            return made if made is not None else ops.epochs_created(c, self._qid)
+
+        new = self._tx(advance)
+        changed = new != self._epochs_created
+        self._epochs_created = new
+        return changed
+
+    def _settle_acks(self, sent: list[WorkItem], accepted: set[int]) -> list[WorkItem]:
+        lost = []
+        for item in sent:
+            self._acks.pop(item.item_id, None)
+            if item.item_id not in accepted:
+                lost.append(item)
+        if lost:
+            log.warning("%d item(s) of queue %r were finished after their lease expired and were "
+                        "handed to another worker meanwhile; their completion was rejected: %s",
+                        len(lost), self.name, ", ".join(f"(epoch {i.epoch}, seq {i.seq})" for i in lost))
+        return lost
+
+    # ------------------------------------------------------------------ explicit control
+
+    def _find(self, item: str) -> WorkItem:
+        if isinstance(item, WorkItem):
+            found = self._out.get(item.item_id) or self._acks.get(item.item_id)
+            if found is not None and found.token == item.token:
+                return found
+            raise InvalidInput(f"{item!r} (epoch {item.epoch}, seq {item.seq}) is not an item this "
+                               "queue object holds: it was already completed, released or failed")
+        for pool in (self._out, self._acks):
+            for held in pool.values():
+                if held == item:
+                    return held
+        raise InvalidInput(f"{item!r} is not an item this queue object holds; pass what take() returned")
+
+    def complete(self, item: str) -> None:
+        """Mark ``item`` done now; raises :class:`LeaseLost` if its lease was lost meanwhile."""
+        self._act(item, "complete")
+
+    def release(self, item: str) -> None:
+        """Give ``item`` back to the queue without counting an attempt."""
+        self._act(item, "release")
+
+    def fail(self, item: str, error: object = "failed") -> None:
+        """Count a failed attempt on ``item`` (recorded as ``last_error``); after ``max_attempts``
+        the item is ``failed``, else it goes back to the queue."""
+        self._act(item, "fail", str(error)[:10_000])
+
+    def _act(self, item: str, action: str, error: str = "") -> None:
+        self._ensure_process()
+        b, qid, wid = self._backend, self._qid, self._worker_id
+        with self._lock:
+            self._check_usable()
+            held = self._find(item)
+            keys = [held.key]
+            if action == "complete":
+                accepted = self._tx(lambda c: ops.complete(c, b, qid, wid, keys))
+            elif action == "release":
+                accepted = self._tx(lambda c: ops.release(c, b, qid, wid, keys))
+            else:
+                accepted = self._tx(lambda c: ops.fail(c, b, qid, wid, keys, error, self.max_attempts))
+            self._out.pop(held.item_id, None)
+            self._acks.pop(held.item_id, None)
+        if held.item_id not in accepted:
+            raise LeaseLost(f"cannot {action} {held!r} (epoch {held.epoch}, seq {held.seq}): its lease "
+                            "expired and another worker holds or finished it")
+
+    # ------------------------------------------------------------------ progress and lifecycle
+
+    def progress(self) -> Progress:
+        """Counts from the counters table (no scan of the items)."""
+        def read(c: Connection) -> tuple[tuple[int, int], int]:
+            return ops.progress(c, self._qid), ops.epochs_created(c, self._qid)
+
+        (done, failed), created = self._tx(read, read=True)
+        return Progress(self.items_per_epoch * self.num_epochs, done, failed, created,
+                        self.num_epochs, self.items_per_epoch)
+
+    def extend_epochs(self, num_epochs: int) -> None:
+        """Raise the queue's ``num_epochs`` (never lower it); every worker sees it on join."""
+        check_num_epochs(num_epochs)
+        got = self._tx(lambda c: ops.extend_epochs(c, self._qid, num_epochs))
+        if not got:
+            raise InvalidInput(f"num_epochs can only grow; queue {self.name!r} already has more")
+        self.num_epochs = got
+
+    def close(self, *, _failed: Optional[BaseException] = None) -> None:
+        """Acknowledge what was handed out, give back what was claimed ahead, and leave."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _live.discard(self)
+            self._stop.set()
+            if os.getpid() != self._pid or self._superseded:
+                self._engine.dispose(close=os.getpid() == self._pid)
+                return
+            b, qid, wid = self._backend, self._qid, self._worker_id
+            done = list(self._acks.values())
+            give_back = list(self._buffer)
+            failing: list[WorkItem] = []
+            if _failed is not None and isinstance(_failed, Exception):
+                failing = list(self._out.values())
+            elif self.auto_complete and _failed is None:
+                done += list(self._out.values())
+            else:
+                give_back += list(self._out.values())
+            error = f"{type(_failed).__name__}: {_failed}"[:10_000] if failing else ""
+
+            def leave(c: Connection) -> set[int]:
+                accepted = ops.complete(c, b, qid, wid, [i.key for i in done])
+                ops.release(c, b, qid, wid, [i.key for i in give_back])
+                ops.fail(c, b, qid, wid, [i.key for i in failing], error, self.max_attempts)
+                ops.close_worker(c, wid, self._incarnation)
+                return accepted
+
+            try:
+                self._settle_acks(done, self._tx(leave))
+            finally:
+                self._buffer.clear()
+                self._out.clear()
+                if self._heartbeat is not None:
+                    self._heartbeat.join(timeout=5)
+                self._engine.dispose()
+
+    def __enter__(self) -> "WorkQueue":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self.close(_failed=exc)
+
+    def __repr__(self) -> str:
+        return (f"WorkQueue(name={self.name!r}, url={safe_url(self._url)!r}, worker={self.worker!r}, "
+                f"items_per_epoch={self.items_per_epoch}, num_epochs={self.num_epochs})")
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise WqSqlError(f"queue {self.name!r} is closed")
+        if self._superseded:
+            raise WorkerConflict(f"another process took over worker {self.worker!r} while this one "
+                                 "was not heartbeating (stopped or partitioned); its items were handed on")
+
+    def _ensure_process(self) -> None:
+        """After ``fork()``: the child opens its own connections under its own identity."""
+        if os.getpid() == self._pid:
+            return
+        with self._lock:
+            if os.getpid() == self._pid:
+                return
+            self._engine.dispose(close=False)
+            self._pid = os.getpid()
+            self._buffer.clear()
+            self._out.clear()
+            self._acks.clear()
+            self.worker = f"{self.worker}+{self._pid}" if self._worker_given else default_worker_name()
+            self._register()
+            _live.add(self)
+
+    # for the heartbeat thread
+    def _beat(self) -> None:
+        with self._lock:
+            tokens = {i.token for pool in (self._buffer, self._out.values(), self._acks.values())
+                      for i in pool}
+            if self._closed or os.getpid() != self._pid:
+                return
+        b = self._backend
+        ok = self._tx(lambda c: ops.renew(c, b, self._worker_id, self._incarnation, sorted(tokens),
+                                          self.lease_seconds, self.max_item_seconds))
+        if not ok:
+            self._superseded = True
+            return
+        n = self._tx(lambda c: ops.expire(c, b, self._qid, self.max_attempts))
+        if n:
+            log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
+
+
+def _heartbeat_loop(ref: "weakref.ref[WorkQueue]", stop: threading.Event) -> None:
+    while True:
+        wq = ref()
+        if wq is None:
+            return
+        interval = wq.heartbeat_seconds
+        del wq
+        if stop.wait(interval):
+            return
+        wq = ref()
+        if wq is None:
+            return
+        try:
+            wq._beat()
+        except (DBAPIError, WqSqlError) as e:  # the next beat tries again; leases outlast several
+            log.warning("heartbeat of queue %r failed: %s", wq.name, e)
+        del wq
+
+
+def _differences(row: Any, spec: QueueSpec) -> list[str]:
+    diffs = []
+    if row.works_digest != spec.works_digest:
+        diffs.append(f"works differ (stored digest {row.works_digest[:12]}..., given "
+                     f"{spec.works_digest[:12]}... for {len(spec.works)} works)")
+    if row.num_epochs != spec.num_epochs:
+        diffs.append(f"num_epochs: stored {row.num_epochs}, given {spec.num_epochs}")
+    if row.shuffle != spec.shuffle:
+        diffs.append(f"shuffle: stored {row.shuffle}, given {spec.shuffle}")
+    if row.num_slices != spec.num_slices:
+        diffs.append(f"num_slices: stored {row.num_slices}, given {spec.num_slices}")
+    if spec.seed is not None and row.seed != spec.seed:
+        diffs.append(f"seed: stored {row.seed}, given {spec.seed}")
+    return diffs
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > 200 or "\x00" in name:
+        raise InvalidInput(f"name must be a non-empty str of at most 200 characters, got {name!r}")
+    return name
+
+
+def _check_prefix(prefix: object) -> Optional[str]:
+    if prefix is None:
+        return None
+    if isinstance(prefix, bytes):
+        prefix = prefix.decode("utf-8")
+    if not isinstance(prefix, str) or "\x00" in prefix:
+        raise InvalidInput(f"prefix must be None or a str without NUL, got {prefix!r}")
+    return prefix
+
+
+def _check_positive(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidInput(f"{what} must be a positive number, got {value!r}")
+
+
+@atexit.register
+def _close_all() -> None:
+    """A normal interpreter exit is a clean exit: acknowledge what was handed out."""
+    for wq in list(_live):
+        try:
+            wq.close()
+        except Exception as e:  # the database may be gone at exit; leases cover it
+            log.warning("closing queue %r at exit failed: %s", wq.name, e)
