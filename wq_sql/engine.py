@@ -2,9 +2,9 @@
 
 SQLite: WAL, ``busy_timeout`` and ``BEGIN IMMEDIATE`` for every write transaction, so a
 transaction takes the single write lock up front instead of failing halfway with
-``database is locked``. Postgres: READ COMMITTED (the server default), statement and idle-in-transaction timeouts
-passed as connection startup options (no ``SET`` session state, so PgBouncer in transaction
-mode works), and an optional schema via ``schema_translate_map``.
+``database is locked``. Postgres: READ COMMITTED (the server default), statement and
+idle-in-transaction timeouts passed as connection startup options (no ``SET`` session state, so
+PgBouncer in transaction mode works), and an optional schema via ``schema_translate_map``.
 """
 
 from __future__ import annotations

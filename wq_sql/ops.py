@@ -22,8 +22,9 @@ row (the second one waits, then sees the first one's committed update).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 from sqlalchemy import Connection, case, func, insert, select, tuple_, update
 from sqlalchemy.sql import Select

@@ -12,8 +12,9 @@ import time
 import uuid
 import weakref
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
@@ -54,7 +55,7 @@ from wq_sql.plan import (
 log = logging.getLogger("wq_sql")
 T = TypeVar("T")
 
-_live: "weakref.WeakSet[WorkQueue]" = weakref.WeakSet()
+_live: weakref.WeakSet[WorkQueue] = weakref.WeakSet()
 
 
 class WorkItem(str):
@@ -69,7 +70,7 @@ class WorkItem(str):
     token: int
     attempts: int
 
-    def __new__(cls, value: str, work: str, claimed: ops.Claimed) -> "WorkItem":
+    def __new__(cls, value: str, work: str, claimed: ops.Claimed) -> WorkItem:
         self = super().__new__(cls, value)
         self.work, self.epoch, self.seq = work, claimed.epoch, claimed.seq
         self.item_id, self.token, self.attempts = claimed.id, claimed.token, claimed.attempts
@@ -186,7 +187,7 @@ class WorkQueue:
         _live.add(self)
 
     @classmethod
-    def attach(cls, name: str = "work_queue", **kwargs: Any) -> "WorkQueue":
+    def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
         """Join an existing queue without repeating its works: ``WorkQueue.attach("q", url=...)``."""
         return cls(None, name=name, **kwargs)
 
@@ -507,7 +508,7 @@ class WorkQueue:
                     self._heartbeat.join(timeout=5)
                 self._engine.dispose()
 
-    def __enter__(self) -> "WorkQueue":
+    def __enter__(self) -> WorkQueue:
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
@@ -558,7 +559,7 @@ class WorkQueue:
             log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
 
 
-def _heartbeat_loop(ref: "weakref.ref[WorkQueue]", stop: threading.Event) -> None:
+def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
     while True:
         wq = ref()
         if wq is None:

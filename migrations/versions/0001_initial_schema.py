@@ -1,7 +1,7 @@
 """initial schema: queues, works, workers, items, tallies, events and the audit views
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-22 01:00:49.187398
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-
 
 revision = '0001'
 down_revision = None

@@ -1,0 +1,42 @@
+# One command per developer task. `make help` lists them.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: help demo test test-core test-tf lint bench clean
+
+help:  ## list the commands
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.core: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+$(VENV)/.tf: $(VENV)/.core
+	$(BIN)/pip install -q -e ".[test,tf]"
+	touch $@
+
+demo: $(VENV)/.core  ## set up and run the multi-worker long-tail demo on SQLite
+	$(BIN)/python examples/long_tail_demo.py
+
+test: $(VENV)/.tf  ## set up and run every test (SQLite and PostgreSQL, core and TensorFlow)
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	$(BIN)/python -m pytest tests
+
+test-core: $(VENV)/.core  ## the core suite only (no TensorFlow)
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	$(BIN)/python -m pytest tests --ignore=tests/tf
+
+test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	$(BIN)/python -m pytest tests/tf
+
+lint: $(VENV)/.core  ## ruff
+	$(BIN)/ruff check wq_sql tests examples migrations
+
+clean:  ## remove the venv and local databases
+	rm -rf $(VENV) *.db *.db-wal *.db-shm

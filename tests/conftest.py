@@ -1,0 +1,123 @@
+"""Fixtures shared by every test: one suite, run on both backends.
+
+``db_url`` is a fresh database per test: a new SQLite file, or a new Postgres database copied
+from a template that was migrated once per session (``CREATE DATABASE ... TEMPLATE``).
+
+Postgres: ``$WQ_SQL_TEST_PG`` (default ``postgresql://postgres@127.0.0.1:5432/postgres``) must be
+reachable. Under CI (``$CI`` set) an unreachable server fails the run; elsewhere the Postgres
+half of the suite is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN_URL = os.environ.get("WQ_SQL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+BACKENDS = ["sqlite", "postgresql"]
+_TEMPLATE = f"wq_sql_tmpl_{os.getpid()}"
+
+
+def _admin_engine() -> sa.Engine:
+    from wq_sql.engine import resolve_url
+
+    return sa.create_engine(resolve_url(PG_ADMIN_URL), isolation_level="AUTOCOMMIT",
+                            connect_args={"connect_timeout": 5})
+
+
+def _pg_url(db: str) -> str:
+    from wq_sql.engine import resolve_url
+
+    return resolve_url(PG_ADMIN_URL).set(database=db).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """A database migrated to head once; each test copies it."""
+    try:
+        engine = _admin_engine()
+        with engine.connect() as c:
+            c.execute(sa.text("SELECT 1"))
+    except Exception as e:
+        msg = f"PostgreSQL at {PG_ADMIN_URL} is unreachable ({type(e).__name__}: {str(e).strip()[:200]})"
+        if os.environ.get("CI"):
+            pytest.fail(msg + "; Postgres tests are required in CI", pytrace=False)
+        pytest.skip(msg + "; start it or set WQ_SQL_TEST_PG")
+    with engine.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{_TEMPLATE}" WITH (FORCE)'))
+        c.execute(sa.text(f'CREATE DATABASE "{_TEMPLATE}"'))
+    import wq_sql
+
+    wq_sql.upgrade(_pg_url(_TEMPLATE))
+    yield _TEMPLATE
+    with engine.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{_TEMPLATE}" WITH (FORCE)'))
+    engine.dispose()
+
+
+def new_pg_database(template: str | None) -> str:
+    name = f"wq_sql_t_{uuid.uuid4().hex[:12]}"
+    engine = _admin_engine()
+    with engine.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
+    engine.dispose()
+    return name
+
+
+def drop_pg_database(name: str) -> None:
+    engine = _admin_engine()
+    with engine.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    engine.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated database for this test."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'wq.db'}"
+        return
+    template = request.getfixturevalue("pg_template")
+    name = new_pg_database(template)
+    try:
+        yield _pg_url(name)
+    finally:
+        drop_pg_database(name)
+
+
+@pytest.fixture
+def empty_db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh database without the wq_sql schema (for schema-creation tests)."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    request.getfixturevalue("pg_template")  # skip or fail as above when Postgres is unreachable
+    name = new_pg_database(None)
+    try:
+        yield _pg_url(name)
+    finally:
+        drop_pg_database(name)
+
+
+def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code args`` with this checkout importable; raises if it fails."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       timeout=timeout, env=full_env, cwd=cwd)
+    if p.returncode != 0:
+        raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
