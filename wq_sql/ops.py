@@ -175,27 +175,106 @@ def _tally(conn: Connection, b: Backend, qid: int, rows: Iterable[Any], column: 
 # ---------------------------------------------------------------- claim and ack
 
 
-def claim_statement(b: Backend, n: int, lease_seconds: float) -> Any:
-    """The claim (see the module docstring); bound parameters ``q``, ``w`` and ``t``."""
-    from sqlalchemy import bindparam
-
-    c = (select(items.c.id).where(items.c.queue_id == bindparam("q"), items.c.state == PENDING)
-         .order_by(items.c.epoch, items.c.seq).limit(n)
-         .with_for_update(skip_locked=True)
-         .cte("c").prefix_with("MATERIALIZED"))
-    return (update(items).where(items.c.id == c.c.id)
-            .values(state=CLAIMED, worker_id=bindparam("w"), token=bindparam("t"),
-                    claimed_at=b.now(), lease_until=b.now_plus(lease_seconds), done_at=None)
-            .returning(items.c.id, items.c.epoch, items.c.seq, items.c.work_idx, items.c.attempts))
+_NOW_SQLITE = "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
+_LATER_SQLITE = "(strftime('%Y-%m-%d %H:%M:%f', 'now', ?) || '000')"
 
 
-def claim(conn: Connection, b: Backend, stmt: Any, qid: int, worker_id: int) -> list[Claimed]:
-    token = new_token()
-    rows = conn.execute(stmt, {"q": qid, "w": worker_id, "t": token}).all()
-    got = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in rows),
-                 key=lambda c: (c.epoch, c.seq))
-    _log(conn, b, qid, EV_CLAIM, got, worker_id)
-    return got
+class ClaimRound:
+    """The hot path, one round trip per ``take()`` that needs the database: acknowledge the
+    items finished since the last round and claim up to ``n`` new ones, with their events,
+    counters and work strings. Built once per queue object as driver-level SQL.
+
+    Postgres runs it as ONE statement (data-modifying CTEs; the claim CTE is the one described in
+    the module docstring). SQLite runs the same steps as separate statements inside the
+    ``BEGIN IMMEDIATE`` transaction: statements are in-process calls there, not network trips."""
+
+    def __init__(self, b: Backend, n: int, lease_seconds: float, schema: Optional[str] = None) -> None:
+        self.b, self.n, self.lease = b, n, float(lease_seconds)
+        p = f'"{schema}".' if schema else ""
+        if b.is_sqlite:
+            self._ack = (
+                f"UPDATE wq_items SET state = '{DONE}', done_at = {_NOW_SQLITE}, lease_until = NULL "
+                f"WHERE id = ? AND token = ? AND state = '{CLAIMED}' RETURNING id, epoch, seq, token")
+            self._event = (
+                "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at) "
+                f"VALUES (?, ?, ?, ?, ?, ?, ?, {_NOW_SQLITE})")
+            self._tally = (
+                "INSERT INTO wq_tallies (queue_id, epoch, worker_id, n_done) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = n_done + excluded.n_done")
+            self._claim = (
+                f"WITH c AS MATERIALIZED (SELECT id FROM wq_items WHERE queue_id = ? AND state = '{PENDING}' "
+                f"ORDER BY epoch, seq LIMIT {int(n)}) "
+                f"UPDATE wq_items SET state = '{CLAIMED}', worker_id = ?, token = ?, "
+                f"claimed_at = {_NOW_SQLITE}, lease_until = {_LATER_SQLITE}, done_at = NULL "
+                "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts")
+            return
+        events = f"{p}wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at)"
+        self._sql = f"""
+WITH acked AS (
+    UPDATE {p}wq_items SET state = '{DONE}', done_at = clock_timestamp(), lease_until = NULL
+    WHERE (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
+      AND state = '{CLAIMED}'
+    RETURNING id, epoch, seq, token
+), acked_events AS (
+    INSERT INTO {events}
+    SELECT %(q)s, id, epoch, seq, '{EV_DONE}', %(w)s, token, clock_timestamp() FROM acked
+), acked_tally AS (
+    INSERT INTO {p}wq_tallies AS t (queue_id, epoch, worker_id, n_done)
+    SELECT %(q)s, epoch, %(w)s, count(*) FROM acked GROUP BY epoch
+    ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = t.n_done + excluded.n_done
+), c AS MATERIALIZED (
+    SELECT id FROM {p}wq_items
+    WHERE queue_id = %(q)s AND state = '{PENDING}'
+    ORDER BY epoch, seq LIMIT {int(n)}
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE {p}wq_items i SET state = '{CLAIMED}', worker_id = %(w)s, token = %(t)s,
+        claimed_at = clock_timestamp(), lease_until = clock_timestamp() + %(lease)s * interval '1 second',
+        done_at = NULL
+    FROM c WHERE i.id = c.id
+    RETURNING i.id, i.epoch, i.seq, i.work_idx, i.attempts
+), claimed_events AS (
+    INSERT INTO {events}
+    SELECT %(q)s, id, epoch, seq, '{EV_CLAIM}', %(w)s, %(t)s, clock_timestamp() FROM claimed
+)
+SELECT 'c' AS k, cl.id, cl.epoch, cl.seq, cl.work_idx, cl.attempts, w.work
+FROM claimed cl JOIN {p}wq_works w ON w.queue_id = %(q)s AND w.idx = cl.work_idx
+UNION ALL
+SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
+"""
+
+    def run(self, conn: Connection, qid: int, worker_id: int,
+            acks: Sequence[tuple[int, int]]) -> tuple[set[int], list[Claimed], dict[int, str]]:
+        """Returns (ids of acks accepted, items claimed in hand-out order, work by work index)."""
+        token = new_token()
+        if self.b.is_sqlite:
+            return self._run_sqlite(conn, qid, worker_id, acks, token)
+        rows = conn.exec_driver_sql(self._sql, {
+            "q": qid, "w": worker_id, "t": token, "lease": self.lease,
+            "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}).all()
+        accepted = {r.id for r in rows if r.k == "a"}
+        got = [r for r in rows if r.k == "c"]
+        claimed = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in got),
+                         key=lambda c: (c.epoch, c.seq))
+        return accepted, claimed, {r.work_idx: r.work for r in got}
+
+    def _run_sqlite(self, conn: Connection, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
+                    token: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
+        done = [r for a in acks for r in conn.exec_driver_sql(self._ack, a).all()]
+        per_epoch: dict[int, int] = {}
+        for r in done:
+            per_epoch[r.epoch] = per_epoch.get(r.epoch, 0) + 1
+        for epoch, k in per_epoch.items():
+            conn.exec_driver_sql(self._tally, (qid, epoch, worker_id, k))
+        rows = conn.exec_driver_sql(self._claim, (qid, worker_id, token, f"+{self.lease!r} seconds")).all()
+        evs = [(qid, r.id, r.epoch, r.seq, EV_DONE, worker_id, r.token) for r in done]
+        evs += [(qid, r.id, r.epoch, r.seq, EV_CLAIM, worker_id, token) for r in rows]
+        if evs:
+            conn.exec_driver_sql(self._event, evs)
+        claimed = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in rows),
+                         key=lambda c: (c.epoch, c.seq))
+        works = works_by_idx(conn, qid, [c.work_idx for c in claimed]) if claimed else {}
+        return {r.id for r in done}, claimed, works
 
 
 def _fenced(pairs: Sequence[tuple[int, int]]) -> Any:

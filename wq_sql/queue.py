@@ -80,6 +80,10 @@ class WorkItem(str):
     def key(self) -> tuple[int, int]:
         return (self.item_id, self.token)
 
+    def __reduce__(self) -> Any:
+        c = ops.Claimed(self.item_id, self.epoch, self.seq, -1, self.token, self.attempts)
+        return (WorkItem, (str(self), self.work, c))
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -182,7 +186,7 @@ class WorkQueue:
         self.max_attempts: int = row.max_attempts
         self.prefix: Optional[str] = row.prefix if self._attach else spec.prefix
         self._epochs_created: int = row.epochs_created
-        self._claim_stmt = ops.claim_statement(self._backend, lease_ahead, self.lease_seconds)
+        self._round = ops.ClaimRound(self._backend, lease_ahead, self.lease_seconds, schema)
         self._register()
         _live.add(self)
 
@@ -204,24 +208,26 @@ class WorkQueue:
         return self._retrying(once)
 
     def _retrying(self, fn: Callable[[], T]) -> T:
-        """Retry while SQLite is locked (up to ``busy_timeout``, then :class:`DatabaseBusy`) and
-        while a Postgres connection is re-established after a disconnect."""
+        """Run ``fn``, retrying what is transient: SQLite locked past its busy handler (up to
+        ``busy_timeout``, then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a
+        restart, ``pg_terminate_backend``), a deadlock or a serialization failure (up to
+        ``busy_timeout`` too). Each retry reruns the whole transaction."""
         deadline = time.monotonic() + self.busy_timeout
         delay = 0.01
         while True:
             try:
                 return fn()
-            except OperationalError as e:
-                busy = self._backend.is_sqlite and "locked" in str(e.orig)
-                if not busy and not e.connection_invalidated:
+            except DBAPIError as e:
+                why = _transient(e, self._backend)
+                if why is None:
                     raise
                 if time.monotonic() >= deadline:
-                    if busy:
+                    if why == "locked":
                         raise DatabaseBusy(
                             f"the SQLite database {safe_url(self._url)} stayed locked for "
                             f"{self.busy_timeout:.0f}s; raise busy_timeout= or use fewer writers") from None
                     raise
-                log.debug("retrying transaction after %s", type(e.orig).__name__)
+                log.debug("retrying transaction: %s", why)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
 
@@ -356,13 +362,7 @@ class WorkQueue:
         b, qid, wid = self._backend, self._qid, self._worker_id
         acks = list(self._acks.values())
 
-        def claim(c: Connection) -> tuple[set[int], list[ops.Claimed], dict[int, str]]:
-            accepted = ops.complete(c, b, qid, wid, [a.key for a in acks])
-            got = ops.claim(c, b, self._claim_stmt, qid, wid)
-            works = ops.works_by_idx(c, qid, [g.work_idx for g in got]) if got else {}
-            return accepted, got, works
-
-        accepted, got, works = self._tx(claim)
+        accepted, got, works = self._tx(lambda c: self._round.run(c, qid, wid, [a.key for a in acks]))
         self._settle_acks(acks, accepted)
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
@@ -576,6 +576,26 @@ def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
         except (DBAPIError, WqSqlError) as e:  # the next beat tries again; leases outlast several
             log.warning("heartbeat of queue %r failed: %s", wq.name, e)
         del wq
+
+
+def _transient(e: DBAPIError, b: Backend) -> Optional[str]:
+    """Why ``e`` is worth retrying, or None."""
+    if b.is_sqlite:
+        msg = str(e.orig)
+        return "locked" if ("locked" in msg or "busy" in msg) else None
+    if e.connection_invalidated:
+        return "disconnected"
+    code = getattr(e.orig, "pgcode", None)
+    if code is None and isinstance(e, OperationalError):
+        msg = str(e.orig)
+        if any(m in msg for m in ("authentication", "does not exist", "no password", "permission")):
+            return None  # a configuration error: retrying cannot help
+        return "cannot connect"  # refused, reset, server starting up: psycopg2 gives no code
+    if code and (code.startswith("08") or code in ("57P01", "57P02", "57P03")):
+        return "disconnected"
+    if code in ("40P01", "40001"):
+        return "deadlock or serialization failure"
+    return None
 
 
 def _differences(row: Any, spec: QueueSpec) -> list[str]:
