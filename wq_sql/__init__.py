@@ -3,7 +3,7 @@
 ``import wq_sql`` never imports TensorFlow; the TF shim is ``wq_sql.tf``.
 """
 
-from wq_sql.admin import drop_queue, list_queues, reset_queue, upgrade
+from wq_sql.admin import compact_queue, drop_queue, list_queues, reset_queue, upgrade
 from wq_sql.errors import (
     DatabaseBusy,
     InvalidInput,
@@ -21,7 +21,7 @@ from wq_sql.queue import Progress, WorkItem, WorkQueue
 
 __all__ = [
     "WorkQueue", "WorkItem", "Progress",
-    "upgrade", "reset_queue", "drop_queue", "list_queues",
+    "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
     "DatabaseBusy", "SchemaOutdated", "WorkerConflict", "LeaseLost", "UnsafeDatabase", "InvalidInput",
 ]

@@ -89,3 +89,22 @@ def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -
             return out
     finally:
         engine.dispose()
+
+
+def compact_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None, *,
+                  keep_events: bool = False) -> int:
+    """Shrink a long job: delete the ``done`` item rows of every finished epoch except the
+    newest one (and their events, unless ``keep_events``). Failed items and their events are
+    kept; ``wq_tallies`` keeps per-epoch, per-worker counts; progress and ``QueueExhausted`` read
+    only the counters, so they are unaffected. Returns the number of item rows deleted."""
+    engine = _engine(url, schema)
+    try:
+        migrate.ensure_schema(engine, schema)
+        with engine.begin() as conn:
+            row = ops.find_queue(conn, name)
+            if row is None:
+                raise QueueNotFound(f"no queue named {name!r}")
+            epochs = [e for e in ops.finished_epochs(conn, row.id, row.n_works) if e < row.epochs_created - 1]
+            return ops.compact(conn, row.id, epochs, keep_events)
+    finally:
+        engine.dispose()

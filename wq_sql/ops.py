@@ -449,3 +449,27 @@ def progress(conn: Connection, qid: int) -> tuple[int, int]:
 
 def epochs_created(conn: Connection, qid: int) -> int:
     return conn.execute(select(queues.c.epochs_created).where(queues.c.id == qid)).scalar_one()
+
+
+def finished_epochs(conn: Connection, qid: int, n_works: int) -> list[int]:
+    """Epochs whose every item is done or failed, by the counters."""
+    rows = conn.execute(select(tallies.c.epoch).where(tallies.c.queue_id == qid)
+                        .group_by(tallies.c.epoch)
+                        .having(func.sum(tallies.c.n_done + tallies.c.n_failed) >= n_works))
+    return sorted(r.epoch for r in rows)
+
+
+def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool) -> int:
+    """Delete the ``done`` item rows of finished ``epochs`` (and their events unless
+    ``keep_events``). Failed items and their events stay; ``wq_tallies`` keeps the per-epoch,
+    per-worker counts. Returns the number of item rows deleted."""
+    from sqlalchemy import delete
+
+    if not epochs:
+        return 0
+    in_epochs = [items.c.queue_id == qid, items.c.epoch.in_(list(epochs))]
+    if not keep_events:
+        failed_ids = select(items.c.id).where(*in_epochs, items.c.state == FAILED)
+        conn.execute(delete(events).where(events.c.queue_id == qid, events.c.epoch.in_(list(epochs)),
+                                          events.c.item_id.not_in(failed_ids)))
+    return conn.execute(delete(items).where(*in_epochs, items.c.state == DONE)).rowcount

@@ -1,0 +1,241 @@
+"""Real concurrency: worker processes, threads and a forked child draining one queue.
+
+Every test checks exactly-once twice: from what the workers *received* (their own logs, or the
+lists the threads kept) and by SQL over the whole table (``wq_audit``, ``wq_history``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from worker_proc import ROOT, Proc, make_works, query, received_multiset
+
+from wq_sql import QueueExhausted, WorkQueue
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Worker processes started by the test; whatever is still running at the end is killed."""
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.cleanup()
+
+
+def assert_done_exactly_once(url: str, name: str, total: int) -> None:
+    """Every item of the queue is ``done``, once, with exactly one claim and one done event."""
+    rows = query(url, "SELECT state, count(*) FROM wq_audit WHERE queue = :q GROUP BY state", q=name)
+    assert dict(rows) == {"done": total}
+    dup = query(url, "SELECT epoch, seq, count(*) FROM wq_audit WHERE queue = :q "
+                     "GROUP BY epoch, seq HAVING count(*) <> 1", q=name)
+    assert dup == []
+    bad = query(url, """
+        SELECT item_id, sum(CASE WHEN kind = 'claim' THEN 1 ELSE 0 END) AS claims,
+               sum(CASE WHEN kind = 'done' THEN 1 ELSE 0 END) AS dones, count(*) AS events
+        FROM wq_history WHERE queue = :q GROUP BY item_id
+        HAVING sum(CASE WHEN kind = 'claim' THEN 1 ELSE 0 END) <> 1
+            OR sum(CASE WHEN kind = 'done' THEN 1 ELSE 0 END) <> 1 OR count(*) <> 2""", q=name)
+    assert bad == []
+    n_items = query(url, "SELECT count(DISTINCT item_id) FROM wq_history WHERE queue = :q", q=name)
+    assert n_items[0][0] == total
+
+
+def assert_received_exactly_once(received: list[tuple[int, int, str]], works: list[str],
+                                 num_epochs: int) -> None:
+    """The hand-outs are every (epoch, seq) once, and each epoch is a permutation of the works."""
+    keys = [(e, s) for e, s, _ in received]
+    dup = [k for k, n in collections.Counter(keys).items() if n > 1]
+    assert dup == [], f"handed out more than once: {dup[:10]}"
+    assert sorted(keys) == [(e, s) for e in range(num_epochs) for s in range(len(works))]
+    assert collections.Counter(w for _, _, w in received) == collections.Counter(works * num_epochs)
+    for e in range(num_epochs):
+        assert sorted(w for ep, _, w in received if ep == e) == sorted(works)
+
+
+# ---------------------------------------------------------------- processes draining a queue
+
+
+def test_processes_drain_two_epochs_exactly_once(db_url: str, backend: str, tmp_path: Path,
+                                                 procs: list[Proc]) -> None:
+    n_procs = 4 if backend == "sqlite" else 8
+    n_works, distinct, epochs = 2000, 1500, 2  # duplicate works are distinct items
+    works = make_works(n_works, distinct)
+    barrier = tmp_path / "go"
+    for i in range(n_procs):
+        procs.append(Proc(db_url, "drain", f"w{i}", tmp_path / f"w{i}.log", n_works,
+                          distinct=distinct, num_epochs=epochs, lease_ahead=1 if i % 2 else 8,
+                          barrier=barrier))
+    for p in procs:
+        p.expect("READY", timeout=60)
+    barrier.touch()
+    for p in procs:
+        assert p.finish(timeout=120) == 0, p.stderr()
+        assert p.lines[-1].startswith("EXHAUSTED"), p.lines
+        assert "Traceback" not in p.stderr()
+
+    # What the workers received, from their own logs.
+    assert received_multiset(procs) == collections.Counter(works * epochs)
+    received = [r for p in procs for r in p.received()]
+    assert_received_exactly_once(received, works, epochs)
+    # More than one worker did the work (they overlapped; nobody was starved by a lock).
+    assert sum(1 for p in procs if p.received()) >= 2
+
+    # What the table says.
+    assert_done_exactly_once(db_url, "drain", n_works * epochs)
+    audit = {(r.epoch, r.seq): (r.work, r.worker)
+             for r in query(db_url, "SELECT epoch, seq, work, worker FROM wq_audit WHERE queue = 'drain'")}
+    for p in procs:
+        for e, s, w in p.received():
+            assert audit[(e, s)] == (w, p.worker)
+    done_by = dict(query(db_url, "SELECT worker, count(*) FROM wq_audit WHERE queue = 'drain' "
+                                 "AND state = 'done' GROUP BY worker"))
+    assert done_by == {p.worker: len(p.received()) for p in procs if p.received()}
+
+
+# ---------------------------------------------------------------- concurrent construction
+
+
+def test_concurrent_construction_on_an_empty_database(empty_db_url: str, tmp_path: Path,
+                                                      procs: list[Proc]) -> None:
+    """8 processes construct the same WorkQueue at the same instant on a database without the
+    schema: one schema (migrated once), one queue, one copy of each item, and all of them work."""
+    n_works = 200
+    barrier = tmp_path / "go"
+    for i in range(8):
+        procs.append(Proc(empty_db_url, "born", f"c{i}", tmp_path / f"c{i}.log", n_works,
+                          max_items=3, barrier=barrier))
+    for p in procs:
+        p.expect("READY", timeout=60)
+    barrier.touch()
+    for p in procs:
+        assert p.finish(timeout=120) == 0, p.stderr()
+        assert any(line.startswith("STARTED") for line in p.lines), p.lines
+        assert p.lines[-1] == "STOPPED", p.lines
+        assert "Traceback" not in p.stderr() and "Error" not in p.stderr(), p.stderr()
+        assert len(p.received()) == 3
+
+    logs = "".join(p.stderr() for p in procs)
+    assert logs.count("Running upgrade  -> ") == 1, logs  # the schema was created once
+    assert logs.count("created queue 'born'") == 1, logs
+
+    from wq_sql.migrate import head_revision
+
+    assert query(empty_db_url, "SELECT version_num FROM alembic_version") == [(head_revision(),)]
+    assert query(empty_db_url, "SELECT count(*) FROM wq_queues") == [(1,)]
+    assert query(empty_db_url, "SELECT count(*), count(DISTINCT idx) FROM wq_works") == [(n_works, n_works)]
+    assert query(empty_db_url, "SELECT count(*), count(DISTINCT seq), min(epoch), max(epoch) "
+                               "FROM wq_items") == [(n_works, n_works, 0, 0)]
+    received = [(e, s) for p in procs for e, s, _ in p.received()]
+    assert len(set(received)) == len(received) == 24
+    done = query(empty_db_url, "SELECT epoch, seq FROM wq_audit WHERE state = 'done'")
+    assert sorted(received) == sorted((r.epoch, r.seq) for r in done)
+    assert query(empty_db_url, "SELECT count(*) FROM wq_audit WHERE state = 'claimed'") == [(0,)]
+
+
+# ---------------------------------------------------------------- threads and fork
+
+
+def test_threads_share_one_queue(db_url: str) -> None:
+    """8 threads call take() on one WorkQueue until it is exhausted: every item once."""
+    works = make_works(600, 500)
+    wq = WorkQueue(works, num_epochs=2, url=db_url, worker="threads", name="th", lease_ahead=4)
+    start = threading.Barrier(8)
+    got: list[list[tuple[int, int, str]]] = [[] for _ in range(8)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            start.wait(timeout=30)
+            while True:
+                try:
+                    item = wq.take()
+                except QueueExhausted:
+                    return
+                assert isinstance(item, str) and item == item.work
+                got[i].append((item.epoch, item.seq, item.work))
+        except BaseException as e:  # reported below with the thread's number
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread is still taking after 120s"
+    assert errors == []
+    wq.close()
+    assert_received_exactly_once([r for g in got for r in g], works, 2)
+    assert sum(1 for g in got if g) >= 2
+    assert_done_exactly_once(db_url, "th", len(works) * 2)
+
+
+FORK_SCRIPT = r"""
+import json, os, sys, traceback
+from wq_sql import QueueExhausted, WorkQueue
+
+url, out = sys.argv[1], sys.argv[2]
+works = [f"w{i:05d}" for i in range(300)]
+wq = WorkQueue(works, shuffle=False, name="fork", url=url, worker="parent", lease_ahead=2)
+first = wq.take()   # handed out before the fork; one more item sits in the buffer
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        os.close(r)
+        got = []
+        for item in wq:
+            got.append([item.epoch, item.seq, item.work])
+            if len(got) == 1:
+                os.write(w, b"1")          # let the parent go on only once the child took one
+        wq.close()
+        with open(out + ".child", "w") as f:
+            json.dump({"worker": wq.worker, "got": got}, f)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+os.close(w)
+assert os.read(r, 1) == b"1", "the child took nothing"
+got = [[first.epoch, first.seq, first.work]]
+for item in wq:
+    got.append([item.epoch, item.seq, item.work])
+wq.close()
+_, status = os.waitpid(pid, 0)
+with open(out + ".parent", "w") as f:
+    json.dump({"worker": wq.worker, "got": got, "child_status": status}, f)
+"""
+
+
+def test_forked_child_takes_its_own_items(db_url: str, tmp_path: Path) -> None:
+    """A child forked after the parent took an item opens its own connections under its own
+    identity; parent and child never receive the same item."""
+    out = tmp_path / "fork"
+    p = subprocess.run([sys.executable, "-c", FORK_SCRIPT, db_url, str(out)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    parent = json.loads(out.with_suffix(".parent").read_text())
+    child = json.loads(out.with_suffix(".child").read_text())
+    assert parent["child_status"] == 0, p.stderr
+    assert parent["worker"] == "parent"
+    assert child["worker"].startswith("parent+") and child["worker"] != "parent"
+    pk = [tuple(x[:2]) for x in parent["got"]]
+    ck = [tuple(x[:2]) for x in child["got"]]
+    assert ck and pk
+    assert pk[0] == (0, 0) and (0, 0) not in ck
+    assert (0, 1) not in ck  # claimed ahead by the parent before the fork
+    assert not set(pk) & set(ck)
+    assert sorted(pk + ck) == [(0, s) for s in range(300)]
+    assert_done_exactly_once(db_url, "fork", 300)
+    by_worker = dict(query(db_url, "SELECT worker, count(*) FROM wq_audit WHERE queue = 'fork' "
+                                   "GROUP BY worker"))
+    assert by_worker == {"parent": len(pk), child["worker"]: len(ck)}

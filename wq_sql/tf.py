@@ -1,0 +1,275 @@
+"""DeepRec's ``WorkQueue`` API on TensorFlow: the same queue as :class:`wq_sql.WorkQueue`, handed
+out as ``tf.string`` tensors, a ``tf.data.Dataset`` or a TF1 ``FIFOQueue`` for Reader ops.
+
+Changing DeepRec's import line is enough::
+
+    # from tensorflow.python.ops.work_queue import WorkQueue
+    from wq_sql.tf import WorkQueue
+
+    work_queue = WorkQueue([path1, path2, path3, path4])
+    dataset = tf.data.TextLineDataset(work_queue.input_dataset())
+
+Only this module imports TensorFlow (``pip install 'wq_sql[tf]'``); ``import wq_sql`` does not.
+
+Every TensorFlow entry point ends up in :meth:`wq_sql.WorkQueue.take`, called from TensorFlow's
+own threads (``tf.data`` workers, ``QueueRunner`` threads); the core serialises them with its lock.
+Items are claimed only when the pipeline pulls them: a worker holds at most ``lease_ahead``
+claimed-but-not-handed-out items, plus whatever its own pipeline has pulled ahead (a
+``TextLineDataset`` reads one file at a time; ``interleave(cycle_length=k)`` keeps ``k`` open;
+a shuffle buffer of ``B`` lines spans about ``B / lines_per_file + 1`` files).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from wq_sql.errors import QueueEmpty, QueueExhausted
+from wq_sql.queue import Progress, WorkItem
+from wq_sql.queue import WorkQueue as _CoreQueue
+
+__all__ = ["WorkQueue"]
+
+# How long one wait of a graph-mode take() lasts before it checks whether its QueueRunner was
+# cancelled (the session is closing). Only reached while other workers hold every remaining item.
+_WAIT_SLICE_SECONDS = 5.0
+
+
+class WorkQueue:
+    """DeepRec's ``WorkQueue`` for TensorFlow programs, backed by a wq_sql job table.
+
+    Takes exactly the arguments of :class:`wq_sql.WorkQueue` (DeepRec's ``works, num_epochs,
+    shuffle, seed, prefix, num_slices, name`` first, then wq_sql's keyword-only ``url=``,
+    ``worker=``, ``lease_ahead=`` ...)::
+
+        from wq_sql.tf import WorkQueue
+        wq = WorkQueue(["a.csv", "b.csv", "c.csv"], num_epochs=2, url="sqlite:///q.db")
+        dataset = tf.data.TextLineDataset(wq.input_dataset())    # TF2, eager or tf.function
+        keys, values = tf.compat.v1.TextLineReader().read_up_to(wq.input_producer(), 2)  # TF1
+
+    The underlying core queue is :attr:`queue`. An item counts as consumed (DeepRec's
+    semantics) once the next one is taken, or when the queue is closed (at exit, or by
+    :meth:`close` / leaving a ``with`` block).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.queue = _CoreQueue(*args, **kwargs)
+        self._stats_lock = threading.Lock()
+        self._taken = 0
+        self._last_epoch = 0
+        self._cancel_generation = 0
+
+    @classmethod
+    def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
+        """Join an existing queue without repeating its works (see :meth:`wq_sql.WorkQueue.attach`)."""
+        return cls(None, name=name, **kwargs)
+
+    # ------------------------------------------------------------------ the core, forwarded
+
+    @property
+    def name(self) -> str:
+        return self.queue.name
+
+    @property
+    def worker(self) -> str:
+        return self.queue.worker
+
+    @property
+    def num_epochs(self) -> int:
+        return self.queue.num_epochs
+
+    @property
+    def items_per_epoch(self) -> int:
+        return self.queue.items_per_epoch
+
+    @property
+    def lease_ahead(self) -> int:
+        return self.queue.lease_ahead
+
+    def __len__(self) -> int:
+        """Items in one epoch (DeepRec's capacity)."""
+        return self.queue.items_per_epoch
+
+    @property
+    def taken(self) -> int:
+        """How many items this object has handed to TensorFlow."""
+        return self._taken
+
+    def progress(self) -> Progress:
+        return self.queue.progress()
+
+    def close(self) -> None:
+        """Acknowledge what was handed out, give back what was claimed ahead, and leave."""
+        self.queue.close()
+
+    def __enter__(self) -> WorkQueue:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self.queue.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return f"wq_sql.tf.{self.queue!r}"
+
+    # ------------------------------------------------------------------ taking, in Python
+
+    def _take_item(self, cancel_generation: Optional[int] = None) -> WorkItem:
+        """The next item; :class:`QueueExhausted` at the end. With ``cancel_generation``, a wait
+        for other workers' items ends with :class:`_Cancelled` once :meth:`_cancel` was called."""
+        while True:
+            try:
+                item = self.queue.take(timeout=None if cancel_generation is None else _WAIT_SLICE_SECONDS)
+            except QueueEmpty:
+                if cancel_generation is not None and self._cancel_generation != cancel_generation:
+                    raise _Cancelled() from None
+                continue
+            with self._stats_lock:
+                self._taken += 1
+                self._last_epoch = item.epoch
+            return item
+
+    def _take_bytes(self) -> bytes:
+        """For ``tf.py_function``: ``StopIteration`` is how a py_function raises OutOfRangeError."""
+        try:
+            return self._take_item().encode("utf-8")
+        except QueueExhausted as e:
+            raise StopIteration(str(e)) from None
+
+    def _cancel(self) -> None:
+        with self._stats_lock:
+            self._cancel_generation += 1
+
+    def _generate(self) -> Iterator[bytes]:
+        while True:
+            try:
+                item = self._take_item()
+            except QueueExhausted:
+                return
+            yield item.encode("utf-8")
+
+    # ------------------------------------------------------------------ DeepRec's API
+
+    def take(self) -> tf.Tensor:
+        """The next work item as a scalar ``tf.string``; ``tf.errors.OutOfRangeError`` once the
+        queue is exhausted.
+
+        Eagerly, takes an item now and returns it. In a graph (TF1, or inside ``tf.function``),
+        returns an op that takes one item each time it runs."""
+        if tf.executing_eagerly():
+            try:
+                return tf.constant(self._take_item().encode("utf-8"), dtype=tf.string)
+            except QueueExhausted as e:
+                raise tf.errors.OutOfRangeError(None, None, str(e)) from None
+        with tf.name_scope(_scope_name(self.name)):
+            work = tf.py_function(self._take_bytes, [], tf.string, name="take")
+        work.set_shape([])
+        return work
+
+    def input_dataset(self) -> tf.data.Dataset:
+        """A ``tf.data.Dataset`` of scalar ``tf.string`` work items that ends with the queue.
+
+        Items are taken as the pipeline pulls them (``TextLineDataset(wq.input_dataset())``
+        takes the next file when it has read the previous one). Iterating the dataset again
+        continues where the queue is. Auto-sharding is off: under a distribution strategy every
+        worker takes from the shared queue instead of dropping the others' share."""
+        ds = tf.data.Dataset.from_generator(
+            self._generate, output_signature=tf.TensorSpec(shape=(), dtype=tf.string))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return ds.with_options(options)
+
+    def input_producer(self) -> tf.queue.FIFOQueue:
+        """A local ``FIFOQueue`` of work items for TF1 Reader ops, fed by a ``QueueRunner`` added to
+        the graph's ``QUEUE_RUNNERS`` collection (``MonitoredTrainingSession`` and
+        ``tf.compat.v1.train.start_queue_runners`` start it).
+
+        Each element has shape ``[1]``, as in DeepRec. When the queue is exhausted the local queue
+        is closed, so ``reader.read_up_to(...)`` raises ``OutOfRangeError`` after the last record
+        and a ``MonitoredTrainingSession`` loop ends normally. Graph mode only (TF1 readers do
+        not run eagerly): use :meth:`input_dataset` in TF2 code."""
+        if tf.executing_eagerly():
+            raise RuntimeError(
+                "input_producer() feeds TF1 Reader ops, which need graph mode "
+                "(tf.compat.v1.disable_eager_execution() or `with tf.Graph().as_default():`); "
+                "in eager code use tf.data.TextLineDataset(work_queue.input_dataset())")
+        with tf.name_scope(_scope_name(self.name)):
+            work = tf.py_function(self._take_for_runner, [], tf.string, name="take")
+            proxy = tf.queue.FIFOQueue(capacity=1, dtypes=[tf.string], shapes=[tf.TensorShape([1])],
+                                       name="proxy")
+            enqueue = proxy.enqueue(tf.reshape(work, [1]))
+            # Cancelling also ends a take() that waits for other workers' last items, so that
+            # closing the session does not wait for them.
+            cancel = tf.group(proxy.close(cancel_pending_enqueues=True),
+                              tf.py_function(self._cancel, [], [], name="cancel_take"))
+            runner = tf.compat.v1.train.QueueRunner(proxy, [enqueue], close_op=proxy.close(),
+                                                    cancel_op=cancel)
+            tf.compat.v1.train.add_queue_runner(runner)
+        return proxy
+
+    def _take_for_runner(self) -> bytes:
+        generation = self._cancel_generation
+        try:
+            return self._take_item(cancel_generation=generation).encode("utf-8")
+        except (QueueExhausted, _Cancelled) as e:
+            raise StopIteration(str(e)) from None
+
+    def add_summary(self, step: Optional[int] = None) -> None:
+        """Queue statistics for TensorBoard, as scalars:
+
+        - ``<name>/fraction_of_<capacity>_full``: items not yet done or failed, over one epoch's
+          count (DeepRec's scalar; starts at ``num_epochs``);
+        - ``<name>/done``: items done, all workers;
+        - ``<name>/epoch``: the epoch of the item this worker took last;
+        - ``<name>/taken_by_this_worker``: items this worker took.
+
+        In a TF1 graph the summaries go to the ``SUMMARIES`` collection (``MonitoredTrainingSession``
+        with ``summary_dir`` and ``tf.compat.v1.summary.merge_all()`` pick them up); inside a
+        ``tf.function`` they are recorded each time the function runs. Eagerly, they are written
+        now to the default writer (``tf.summary.create_file_writer(...).as_default()``) at
+        ``step`` (default: ``tf.summary.experimental.get_step()``, else :attr:`taken`): call it
+        whenever you want a point, e.g. every N steps."""
+        tags = self._summary_tags()
+        if tf.executing_eagerly():
+            if step is None:
+                step = tf.summary.experimental.get_step()
+            if step is None:
+                step = self._taken
+            for tag, value in zip(tags, self._stats()):
+                tf.summary.scalar(tag, value, step=step)
+            return
+        with tf.name_scope(_scope_name(self.name)):
+            values = tf.py_function(self._stats, [], [tf.float32] * len(tags), name="stats")
+        for tag, value in zip(tags, values):
+            value.set_shape([])
+            if tf.compat.v1.executing_eagerly_outside_functions():
+                tf.summary.scalar(tag, value, step=step)
+            else:
+                tf.compat.v1.summary.scalar(tag, value)
+
+    def _summary_tags(self) -> list[str]:
+        n = self.items_per_epoch
+        return [f"{self.name}/fraction_of_{n}_full", f"{self.name}/done", f"{self.name}/epoch",
+                f"{self.name}/taken_by_this_worker"]
+
+    def _stats(self) -> list[float]:
+        p = self.queue.progress()
+        with self._stats_lock:
+            taken, epoch = self._taken, self._last_epoch
+        return [p.remaining / p.items_per_epoch, float(p.done), float(epoch), float(taken)]
+
+
+class _Cancelled(Exception):
+    """A graph-mode take() gave up waiting because its QueueRunner was cancelled."""
+
+    def __str__(self) -> str:
+        return "the session is closing"
+
+
+def _scope_name(name: str) -> str:
+    """A valid TF name scope for a queue name (queue names may hold any character)."""
+    scope = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+    return scope if re.match(r"[A-Za-z0-9.]", scope) else "wq" + scope
