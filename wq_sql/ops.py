@@ -78,6 +78,10 @@ def find_queue(conn: Connection, name: str) -> Optional[Any]:
     return conn.execute(select(queues).where(queues.c.name == name)).one_or_none()
 
 
+def find_queue_by_id(conn: Connection, qid: int) -> Any:
+    return conn.execute(select(queues).where(queues.c.id == qid)).one()
+
+
 def create_queue(conn: Connection, b: Backend, name: str, spec: QueueSpec, works: Sequence[str],
                  seed: int, max_attempts: int) -> Optional[int]:
     """Insert the queue, the works of one epoch (``spec.works`` after slicing) and epoch 0;
@@ -445,6 +449,20 @@ def progress(conn: Connection, qid: int) -> tuple[int, int]:
                               func.coalesce(func.sum(tallies.c.n_failed), 0))
                        .where(tallies.c.queue_id == qid)).one()
     return int(row[0]), int(row[1])
+
+
+def peek(conn: Connection, b: Backend, qid: int) -> tuple[bool, bool, int, int]:
+    """What a waiting worker polls, read-only (no write lock on SQLite): whether an item is
+    pending, whether a lease has expired, how many items are finished, and how many epochs have
+    rows. Three index probes: pending and claimed rows have partial indexes."""
+    pending = select(items.c.id).where(items.c.queue_id == qid, items.c.state == PENDING).limit(1)
+    expired = select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED,
+                                       items.c.lease_until < b.now()).limit(1)
+    finished = (select(func.coalesce(func.sum(tallies.c.n_done + tallies.c.n_failed), 0))
+                .where(tallies.c.queue_id == qid).scalar_subquery())
+    created = select(queues.c.epochs_created).where(queues.c.id == qid).scalar_subquery()
+    row = conn.execute(select(pending.exists(), expired.exists(), finished, created)).one()
+    return bool(row[0]), bool(row[1]), int(row[2]), int(row[3])
 
 
 def epochs_created(conn: Connection, qid: int) -> int:

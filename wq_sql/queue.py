@@ -325,7 +325,6 @@ class WorkQueue:
         :class:`QueueEmpty` is raised (``timeout=0``: never wait)."""
         self._ensure_process()
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.02
         while True:
             with self._lock:
                 self._check_usable()
@@ -338,8 +337,16 @@ class WorkQueue:
                     item = self._buffer.popleft()
                     self._out[item.item_id] = item
                     return item
-            # Nothing claimable now: wait without holding the lock, so that other threads can
-            # complete items (which may be what ends the queue).
+            self._wait(deadline)
+
+    def _wait(self, deadline: Optional[float]) -> None:
+        """Nothing is claimable, but live workers hold items. Poll a read-only probe (cheap for
+        the database even with a thousand waiting workers; no write lock on SQLite) with backoff
+        up to ``poll_seconds``, until an item may be claimable or the queue is finished. The
+        lock is not held, so other threads can complete items meanwhile."""
+        pause = 0.02
+        total = self.items_per_epoch * self.num_epochs
+        while True:
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueEmpty(f"no item of queue {self.name!r} is claimable now; other workers "
                                  "still hold the remaining ones")
@@ -348,6 +355,10 @@ class WorkQueue:
                 sleep = max(0.0, min(sleep, deadline - time.monotonic()))
             time.sleep(sleep)
             pause = min(pause * 2, self.poll_seconds)
+            pending, expired, finished, created = self._tx(
+                lambda c: ops.peek(c, self._backend, self._qid), read=True)
+            if pending or expired or finished >= total or created != self._epochs_created:
+                return
 
     def __iter__(self) -> Iterator[WorkItem]:
         while True:
@@ -373,7 +384,14 @@ class WorkQueue:
         # advance), leases may have expired, or the queue may be finished.
         if self._advance_epoch() or self._tx(lambda c: ops.expire(c, b, qid, self.max_attempts)):
             return self._fill()
-        done, failed = self._tx(lambda c: ops.progress(c, qid), read=True)
+        def finished(c: Connection) -> tuple[int, int, int]:
+            done, failed = ops.progress(c, qid)
+            return done, failed, ops.find_queue_by_id(c, qid).num_epochs
+
+        done, failed, num_epochs = self._tx(finished, read=True)
+        if num_epochs != self.num_epochs:  # another worker called extend_epochs()
+            self.num_epochs = num_epochs
+            return self._fill()
         if done + failed >= self.items_per_epoch * self.num_epochs:
             raise QueueExhausted(self.name, done, failed)
 

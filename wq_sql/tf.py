@@ -139,9 +139,10 @@ class WorkQueue:
         except QueueExhausted as e:
             raise StopIteration(str(e)) from None
 
-    def _cancel(self) -> None:
+    def _cancel(self) -> int:
         with self._stats_lock:
             self._cancel_generation += 1
+            return self._cancel_generation
 
     def _generate(self) -> Iterator[bytes]:
         while True:
@@ -204,7 +205,7 @@ class WorkQueue:
             # Cancelling also ends a take() that waits for other workers' last items, so that
             # closing the session does not wait for them.
             cancel = tf.group(proxy.close(cancel_pending_enqueues=True),
-                              tf.py_function(self._cancel, [], [], name="cancel_take"))
+                              tf.py_function(self._cancel, [], tf.int64, name="cancel_take"))
             runner = tf.compat.v1.train.QueueRunner(proxy, [enqueue], close_op=proxy.close(),
                                                     cancel_op=cancel)
             tf.compat.v1.train.add_queue_runner(runner)
@@ -243,12 +244,16 @@ class WorkQueue:
             return
         with tf.name_scope(_scope_name(self.name)):
             values = tf.py_function(self._stats, [], [tf.float32] * len(tags), name="stats")
-        for tag, value in zip(tags, values):
+        for value in values:
             value.set_shape([])
-            if tf.compat.v1.executing_eagerly_outside_functions():
-                tf.summary.scalar(tag, value, step=step)
-            else:
+        if not tf.compat.v1.executing_eagerly_outside_functions():  # a TF1 graph
+            for tag, value in zip(tags, values):
                 tf.compat.v1.summary.scalar(tag, value)
+            return
+        if step is None and tf.summary.experimental.get_step() is None:
+            step = tf.cast(values[-1], tf.int64)
+        for tag, value in zip(tags, values):
+            tf.summary.scalar(tag, value, step=step)
 
     def _summary_tags(self) -> list[str]:
         n = self.items_per_epoch
