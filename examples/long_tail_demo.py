@@ -174,7 +174,8 @@ def report(url: str, speeds: dict[str, float], n_items: int, epochs: int,
     print(header + f" {'total':>6} {'static shard':>13}")
     for i, w in enumerate(names):
         row = [counts.get((w, e), 0) for e in range(epochs)]
-        print(f"  {w:<8} {speeds[w]:>7g}" + "".join(f" {k:>8}" for k in row) + f" {sum(row):>6} {shard[i]:>13}")
+        cells = "".join(f" {k:>8}" for k in row)
+        print(f"  {w:<8} {speeds[w]:>7g}{cells} {sum(row):>6} {shard[i]:>13}")
 
     measured = (_ts(last) - _ts(first)).total_seconds()
     static = max(k * speeds[w] for k, w in zip(shard, names)) / 1000.0
@@ -191,19 +192,26 @@ def report(url: str, speeds: dict[str, float], n_items: int, epochs: int,
     fast = [took[w] for w in names if w.startswith("fast")]
     slow = [took[w] for w in names if w.startswith("slow")]
     more = min(fast) > max(slow)
-    print(f"\nfast workers took {min(fast)}-{max(fast)} items each, stragglers {min(slow)}-{max(slow)}: "
-          f"fast workers took more: {'yes' if more else 'NO'}; "
-          f"{static / measured:.1f}x faster than static sharding")
+    print(f"\nfast workers took {_span(fast)} items each, stragglers {_span(slow)}: "
+          f"fast workers took more: {'yes' if more else 'NO'}")
+    print(f"the work queue finished {static / measured:.1f}x sooner than static sharding, "
+          f"within {measured / ideal:.2f}x of the ideal")
 
     logged = sorted(pair for got in logs.values() for pair in got)
     expected = [(e, s) for e in range(epochs) for s in range(n_items)]
     ok = items == total and done == total and pairs == total and once == total and logged == expected
-    print(f"exactly once: {once} of {total} (epoch, seq) have one 'done' event in wq_history, "
-          f"{done} of {items} rows in wq_audit are done, the workers' own logs "
-          f"{'agree' if logged == expected else 'DISAGREE'}: {'OK' if ok else 'FAILED'}")
-    print(f"({n} processes, {wall:.1f} s wall clock including start-up; look closer with: "
-          f"python -m wq_sql status {QUEUE} --url '{_shown(url)}')")
+    print(f"\nexactly once: {'OK' if ok else 'FAILED'}")
+    print(f"  wq_history: {once} of {total} (epoch, seq) have exactly one 'done' event"
+          + (f", {pairs - once} more than one" if pairs != once else ""))
+    print(f"  wq_audit:   {done} of {items} items are done; the workers' own logs "
+          f"{'agree' if logged == expected else 'DISAGREE'} ({len(logged)} items received)")
+    print(f"\n{n} processes, {wall:.1f} s wall clock including start-up. Look closer with:\n"
+          f"  python -m wq_sql status {QUEUE} --url '{_shown(url)}'")
     return ok
+
+
+def _span(values: list[int]) -> str:
+    return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
 def _shown(url: str) -> str:

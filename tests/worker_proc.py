@@ -175,8 +175,9 @@ class Proc:
             self._q.put(line.rstrip("\n"))
         self._q.put(None)
 
-    def expect(self, prefix: str, timeout: float = 60.0) -> str:
-        """The next stdout line starting with ``prefix`` (other lines are kept in ``lines``)."""
+    def expect(self, prefix: str | tuple[str, ...], timeout: float = 60.0) -> str:
+        """The next stdout line starting with ``prefix`` (or one of several); the lines skipped
+        are kept in ``lines``."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

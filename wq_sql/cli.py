@@ -320,7 +320,7 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str], name:
     else:
         out.append("no live workers")
     if left:
-        out.append(f"({left} more worker(s) closed cleanly)")
+        out.append(f"({left} {'more ' if live else ''}worker(s) closed cleanly)")
     orphans = sum(k for wid, k in holding.items() if wid not in {r.id for r in live})
     if orphans:
         out.append(f"{orphans} claimed item(s) belong to workers that are not heartbeating; they return "

@@ -175,20 +175,25 @@ class WorkQueue:
         self._heartbeat: Optional[threading.Thread] = None
         self._pid = os.getpid()
 
-        self._retrying(lambda: ensure_schema(self._engine, schema))
-        row = self._open(None if self._attach else spec, max_attempts)
-        self._qid: int = row.id
-        self.num_epochs: int = row.num_epochs
-        self.shuffle: bool = row.shuffle
-        self.seed: int = row.seed
-        self.num_slices: Optional[int] = row.num_slices
-        self.items_per_epoch: int = row.n_works
-        self.max_attempts: int = row.max_attempts
-        self.prefix: Optional[str] = row.prefix if self._attach else spec.prefix
-        self._epochs_created: int = row.epochs_created
-        self._round = ops.ClaimRound(self._backend, lease_ahead, self.lease_seconds, schema)
-        self._register()
-        _live.add(self)
+        try:
+            self._retrying(lambda: ensure_schema(self._engine, schema))
+            row = self._open(None if self._attach else spec, max_attempts)
+            self._qid: int = row.id
+            self.num_epochs: int = row.num_epochs
+            self.shuffle: bool = row.shuffle
+            self.seed: int = row.seed
+            self.num_slices: Optional[int] = row.num_slices
+            self.items_per_epoch: int = row.n_works
+            self.max_attempts: int = row.max_attempts
+            self.prefix: Optional[str] = row.prefix if self._attach else spec.prefix
+            self._epochs_created: int = row.epochs_created
+            self._round = ops.ClaimRound(self._backend, lease_ahead, self.lease_seconds, schema)
+            self._register()
+            _live.add(self)
+        except BaseException:
+            if engine is None:
+                self._engine.dispose()
+            raise
 
     @classmethod
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:

@@ -1,0 +1,294 @@
+"""Crashes, stalls and identities, with real processes and real signals.
+
+A worker process (``worker_proc.py``) prints ``HOLDING <epoch> <seq> <work>`` once it holds an
+un-acked item; the tests then SIGKILL or SIGSTOP it and check, by SQL over ``wq_audit`` and
+``wq_history`` and by the workers' own logs, who gets the item and when. Times are compared on
+the database clock (lease_until against event times), never against tight wall-clock bounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from worker_proc import Proc, make_works, query, received_multiset
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Worker processes started by the test; whatever is still running at the end is killed."""
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.cleanup()
+
+
+def start(procs: list[Proc], url: str, name: str, worker: str, tmp_path: Path, n_works: int,
+          tag: str = "", **opts: Any) -> Proc:
+    p = Proc(url, name, worker, tmp_path / f"{worker}{tag}.log", n_works, **opts)
+    procs.append(p)
+    return p
+
+
+def holding(p: Proc, timeout: float = 60) -> tuple[int, int, str]:
+    _, e, s, w = p.expect("HOLDING", timeout).split(" ")
+    return int(e), int(s), w
+
+
+def history(url: str, name: str, epoch: int, seq: int) -> list[Any]:
+    return query(url, "SELECT kind, worker, at, detail FROM wq_history WHERE queue = :q AND epoch = :e "
+                      "AND seq = :s ORDER BY event_id", q=name, e=epoch, s=seq)
+
+
+def audit(url: str, name: str, epoch: int, seq: int) -> Any:
+    rows = query(url, "SELECT * FROM wq_audit WHERE queue = :q AND epoch = :e AND seq = :s",
+                 q=name, e=epoch, s=seq)
+    assert len(rows) == 1
+    return rows[0]
+
+
+def lease_until(url: str, name: str, epoch: int, seq: int) -> Any:
+    return query(url, "SELECT i.lease_until FROM wq_items i JOIN wq_queues q ON q.id = i.queue_id "
+                      "WHERE q.name = :q AND i.epoch = :e AND i.seq = :s", q=name, e=epoch, s=seq)[0][0]
+
+
+def assert_all_done_once(url: str, name: str, total: int) -> None:
+    assert dict(query(url, "SELECT state, count(*) FROM wq_audit WHERE queue = :q GROUP BY state",
+                      q=name)) == {"done": total}
+    assert query(url, "SELECT item_id FROM wq_history WHERE queue = :q GROUP BY item_id "
+                      "HAVING sum(CASE WHEN kind = 'done' THEN 1 ELSE 0 END) <> 1", q=name) == []
+
+
+def writer_busy(url: str, backend: str) -> bool:
+    """Whether some other session is inside a write transaction right now."""
+    if backend == "sqlite":
+        con = sqlite3.connect(url.split("///", 1)[1], timeout=0, isolation_level=None)
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            con.execute("ROLLBACK")
+            return False
+        except sqlite3.OperationalError:
+            return True
+        finally:
+            con.close()
+    return query(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                      "AND pid <> pg_backend_pid() AND state <> 'idle'")[0][0] > 0
+
+
+def stop_between_transactions(stale: list[Proc], url: str, backend: str) -> None:
+    """SIGSTOP the processes at a moment none of them is inside a transaction.
+
+    A process stopped inside a transaction holds SQLite's write lock (everyone waits for it) or
+    Postgres row locks that SKIP LOCKED passes over until the idle-in-transaction timeout. That
+    is a different test; here the stale worker must hold only its lease."""
+    for _ in range(100):
+        for p in stale:
+            p.signal(signal.SIGSTOP)
+        for p in stale:  # wait until the kernel has actually stopped them
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, f"{p.worker} did not stop"
+                time.sleep(0.01)
+        if not writer_busy(url, backend):
+            return
+        for p in stale:
+            p.signal(signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError("could not stop the workers between two transactions")
+
+
+# ---------------------------------------------------------------- SIGKILL
+
+
+def test_sigkill_same_identity_gets_its_item_back_first(db_url: str, tmp_path: Path,
+                                                       procs: list[Proc]) -> None:
+    """Killed while holding an un-acked item (and one claimed ahead): the restarted worker with
+    the same identity gets exactly that item first, at once (a ``recover``, no lease expiry)."""
+    n, name = 20, "kill"
+    works = make_works(n)
+    a = start(procs, db_url, name, "k", tmp_path, n, tag="-1", shuffle=0, lease=60, lease_ahead=2, hold=3)
+    e, s, w = holding(a)
+    assert (e, s, w) == (0, 2, works[2])
+    assert audit(db_url, name, 0, 1).state == "done"  # acked by the third take
+    a.kill()
+
+    b = start(procs, db_url, name, "k", tmp_path, n, tag="-2", shuffle=0, lease=60, lease_ahead=2)
+    assert b.finish(timeout=60) == 0, b.stderr()
+    assert b.lines[-1] == "EXHAUSTED 20 0"
+    got_b = b.received()
+    assert got_b[0] == (0, 2, works[2])        # the un-acked item first
+    assert got_b[1] == (0, 3, works[3])        # then the one claimed ahead (never handed out)
+    assert "recovered 2 item(s)" in b.stderr()
+
+    # Exactly the un-acked item was delivered twice.
+    assert a.received() == [(0, s, works[s]) for s in range(3)]
+    assert received_multiset([a, b]) == collections.Counter(works + [works[2]])
+    assert_all_done_once(db_url, name, n)
+    h = history(db_url, name, 0, 2)
+    assert [(r.kind, r.worker) for r in h] == [("claim", "k"), ("recover", "k"), ("done", "k")]
+    # Taken back long before the 60 s lease ran out, and nothing expired.
+    assert query(db_url, "SELECT count(*) FROM wq_history WHERE kind = 'expire'") == [(0,)]
+    assert audit(db_url, name, 0, 2).attempts == 1
+    assert audit(db_url, name, 0, 3).attempts == 1  # the crash counts for the claimed-ahead item too
+    assert audit(db_url, name, 0, 4).attempts == 0
+
+
+def test_sigkill_other_worker_gets_the_item_only_after_the_lease(db_url: str, tmp_path: Path,
+                                                                 procs: list[Proc]) -> None:
+    """Another worker, polling all along, gets a dead worker's item only once its lease ran out;
+    the ``expire`` event names the dead worker as the holder."""
+    n, name, lease = 12, "expiry", 4.0
+    works = make_works(n)
+    a = start(procs, db_url, name, "dead", tmp_path, n, shuffle=0, lease=lease, heartbeat=0.5, hold=1)
+    barrier = tmp_path / "go"
+    b = start(procs, db_url, name, "other", tmp_path, n, shuffle=0, lease=lease, heartbeat=0.5,
+              barrier=barrier)
+    assert holding(a) == (0, 0, works[0])
+    b.expect("READY")
+    a.kill()
+    barrier.touch()
+    until = lease_until(db_url, name, 0, 0)  # no heartbeat renews it any more
+
+    assert b.finish(timeout=60) == 0, b.stderr()
+    assert b.lines[-1] == f"EXHAUSTED {n} 0"
+    got_b = b.received()
+    assert got_b[-1] == (0, 0, works[0])       # the dead worker's item came last
+    assert sorted(got_b) == [(0, s, works[s]) for s in range(n)]
+
+    h = history(db_url, name, 0, 0)
+    assert [(r.kind, r.worker) for r in h] == [("claim", "dead"), ("expire", "dead"),
+                                               ("claim", "other"), ("done", "other")]
+    assert h[1].at >= until and h[2].at >= until, (until, h)
+    # "other" was taking (and then polling) while the lease still ran.
+    first_claim = query(db_url, "SELECT min(at) FROM wq_history WHERE kind = 'claim' AND worker = 'other'")
+    assert first_claim[0][0] < until
+    assert audit(db_url, name, 0, 0).attempts == 1
+    assert_all_done_once(db_url, name, n)
+
+
+# ---------------------------------------------------------------- SIGSTOP: a stale worker
+
+
+def test_sigstop_past_the_lease_then_stale_acks_are_rejected(db_url: str, backend: str, tmp_path: Path,
+                                                             procs: list[Proc]) -> None:
+    """Two workers are stopped holding an item each, past their lease; a third one takes and
+    completes both items. Continued, the first one's explicit complete() raises LeaseLost, the
+    second one's implicit ack (its next take()) is rejected; each item is done exactly once."""
+    n, name, lease = 10, "stale", 2.0
+    works = make_works(n)
+    opts = dict(shuffle=0, lease=lease, heartbeat=0.3)
+    explicit = start(procs, db_url, name, "explicit", tmp_path, n, hold=1, **opts)
+    held_x = holding(explicit)
+    implicit = start(procs, db_url, name, "implicit", tmp_path, n, hold=1, **opts)
+    held_i = holding(implicit)
+    assert {held_x[1], held_i[1]} == {0, 1}
+    stop_between_transactions([explicit, implicit], db_url, backend)
+
+    fresh = start(procs, db_url, name, "fresh", tmp_path, n, **opts)
+    assert fresh.finish(timeout=60) == 0, fresh.stderr()
+    assert fresh.lines[-1] == f"EXHAUSTED {n} 0"
+    assert sorted(fresh.received()) == [(0, s, works[s]) for s in range(n)]
+
+    for p in (explicit, implicit):
+        p.signal(signal.SIGCONT)
+    explicit.send("complete")
+    assert explicit.expect(("LEASELOST", "COMPLETED"), timeout=30) == "LEASELOST"
+    explicit.send("exit")
+    implicit.send("take")
+    assert implicit.expect("EXHAUSTED", timeout=30) == f"EXHAUSTED {n} 0"
+    for p in (explicit, implicit):
+        assert p.finish(timeout=30) == 0, p.stderr()
+    assert "LeaseLost" not in implicit.stderr()
+    assert "their completion was rejected: (epoch 0, seq %d)" % held_i[1] in implicit.stderr()
+
+    for (e, s, _), stale in ((held_x, "explicit"), (held_i, "implicit")):
+        h = history(db_url, name, e, s)
+        assert [(r.kind, r.worker) for r in h] == [("claim", stale), ("expire", stale),
+                                                   ("claim", "fresh"), ("done", "fresh")]
+        row = audit(db_url, name, e, s)
+        assert (row.state, row.worker, row.attempts) == ("done", "fresh", 1)
+    assert_all_done_once(db_url, name, n)
+    assert received_multiset([explicit, implicit, fresh]) == collections.Counter(
+        works + [held_x[2], held_i[2]])
+
+
+def test_live_worker_keeps_its_item_for_three_leases(db_url: str, tmp_path: Path,
+                                                     procs: list[Proc]) -> None:
+    """A live, heartbeating worker holds an item for more than 3 leases while another worker
+    polls for work the whole time: the item is never re-delivered."""
+    n, name, lease = 8, "live", 2.0
+    works = make_works(n)
+    opts = dict(shuffle=0, lease=lease, heartbeat=0.3)
+    holder = start(procs, db_url, name, "holder", tmp_path, n, hold=1, **opts)
+    assert holding(holder) == (0, 0, works[0])
+    held_since = time.monotonic()
+    poller = start(procs, db_url, name, "poller", tmp_path, n, poll=0.2, **opts)
+    deadline = time.monotonic() + 60
+    while len(poller.received()) < n - 1:
+        assert time.monotonic() < deadline, poller.stderr()
+        time.sleep(0.1)
+    time.sleep(max(0.0, 3 * lease + 0.5 - (time.monotonic() - held_since)))
+
+    assert poller.p.poll() is None, poller.stderr()  # still waiting for the held item
+    row = audit(db_url, name, 0, 0)
+    assert (row.state, row.worker, row.attempts) == ("claimed", "holder", 0)
+    holder.send("complete")
+    assert holder.expect("COMPLETED", timeout=30) == "COMPLETED"
+    assert poller.finish(timeout=60) == 0, poller.stderr()
+    assert poller.lines[-1] == f"EXHAUSTED {n} 0"
+    holder.send("exit")
+    assert holder.finish(timeout=30) == 0, holder.stderr()
+
+    assert (0, 0, works[0]) not in poller.received()
+    h = history(db_url, name, 0, 0)
+    assert [(r.kind, r.worker) for r in h] == [("claim", "holder"), ("done", "holder")]
+    held = h[1].at - h[0].at
+    if isinstance(held, str):  # SQLite returns the stored text through a plain text() query
+        from datetime import datetime
+
+        held = datetime.fromisoformat(h[1].at[:26]) - datetime.fromisoformat(h[0].at[:26])
+    assert held.total_seconds() >= 3 * lease
+    assert query(db_url, "SELECT count(*) FROM wq_history WHERE kind = 'expire'") == [(0,)]
+    assert_all_done_once(db_url, name, n)
+
+
+# ---------------------------------------------------------------- worker identity
+
+
+def test_worker_identity_is_exclusive_and_taken_over_after_death(db_url: str, tmp_path: Path,
+                                                                 procs: list[Proc]) -> None:
+    """A second live process with the same worker= fails fast with WorkerConflict and takes
+    nothing; once the first is SIGKILLed, a new one starts at once and gets its item back."""
+    n, name = 10, "ident"
+    works = make_works(n)
+    first = start(procs, db_url, name, "same", tmp_path, n, tag="-1", shuffle=0, lease=60, hold=1)
+    assert holding(first) == (0, 0, works[0])
+
+    second = start(procs, db_url, name, "same", tmp_path, n, tag="-2", shuffle=0, lease=60)
+    assert second.wait(timeout=60) == 3, second.stderr()
+    conflict = second.expect("CONFLICT", timeout=10)
+    assert float(conflict.split()[1]) < 10  # decided quickly, not after a lease
+    assert "already held by a live process" in second.stderr()
+    assert second.received() == []
+    row = audit(db_url, name, 0, 0)
+    assert (row.state, row.worker, row.attempts) == ("claimed", "same", 0)
+    assert [r.kind for r in history(db_url, name, 0, 0)] == ["claim"]
+    assert query(db_url, "SELECT pid FROM wq_workers WHERE name = 'same'") == [(first.pid,)]
+
+    first.kill()
+    third = start(procs, db_url, name, "same", tmp_path, n, tag="-3", shuffle=0, lease=60)
+    started = third.expect("STARTED", timeout=60)
+    assert float(started.split()[1]) < 10  # far less than the 60 s lease
+    assert third.finish(timeout=60) == 0, third.stderr()
+    assert third.received()[0] == (0, 0, works[0])
+    assert [(r.kind, r.worker) for r in history(db_url, name, 0, 0)] == [
+        ("claim", "same"), ("recover", "same"), ("done", "same")]
+    assert query(db_url, "SELECT pid FROM wq_workers WHERE name = 'same'") == [(third.pid,)]
+    assert_all_done_once(db_url, name, n)
