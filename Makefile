@@ -37,6 +37,7 @@ test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 
 lint: $(VENV)/.core  ## ruff
 	$(BIN)/ruff check wq_sql tests examples migrations
+	$(BIN)/mypy
 
 clean:  ## remove the venv and local databases
 	rm -rf $(VENV) *.db *.db-wal *.db-shm

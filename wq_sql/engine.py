@@ -115,11 +115,9 @@ class Backend:
 
     def insert(self, table: Any) -> Any:
         """An INSERT that supports ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
-        if self.is_sqlite:
-            from sqlalchemy.dialects.sqlite import insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert
-        return insert(table)
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        return sqlite.insert(table) if self.is_sqlite else postgresql.insert(table)
 
 
 def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float = 30.0,

@@ -24,9 +24,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
-from sqlalchemy import Connection, case, func, insert, select, tuple_, update
+from sqlalchemy import Connection, Table, case, func, insert, select, tuple_, update
 from sqlalchemy.sql import Select
 
 from wq_sql.engine import Backend
@@ -45,12 +45,12 @@ from wq_sql.states import (
     PENDING,
 )
 
-items = Item.__table__
-queues = Queue.__table__
-works_t = Work.__table__
-workers = Worker.__table__
-tallies = Tally.__table__
-events = Event.__table__
+items = cast(Table, Item.__table__)
+queues = cast(Table, Queue.__table__)
+works_t = cast(Table, Work.__table__)
+workers = cast(Table, Worker.__table__)
+tallies = cast(Table, Tally.__table__)
+events = cast(Table, Event.__table__)
 
 INSERT_CHUNK = 10_000
 

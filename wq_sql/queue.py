@@ -280,6 +280,8 @@ class WorkQueue:
             if wid is not None:
                 return "ok", (wid, [])
             row = ops.find_worker(c, self._qid, self.worker, lock=True)
+            if row is None:
+                raise QueueNotFound(f"queue {self.name!r} was dropped while this worker joined it")
             if row.heartbeat_at is not None:
                 if row.host == host:
                     if process_alive(row.pid, row.proc_start):
@@ -405,7 +407,7 @@ class WorkQueue:
             return False
         have = self._epochs_created
 
-        def advance(c: Connection) -> Optional[int]:
+        def advance(c: Connection) -> int:
             made = ops.advance_epoch(c, self._qid, have)
             return made if made is not None else ops.epochs_created(c, self._qid)
 
