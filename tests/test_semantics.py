@@ -95,7 +95,8 @@ def test_config_mismatch_says_what_differs_and_how_to_start_over(
     assert ei.value.queue == "q" and len(ei.value.differences) == 1
     # ... and how to start over: another name, or an explicit reset.
     assert "name=" in msg and "reset" in msg
-    assert query(db_url, "SELECT num_epochs, seed, shuffle FROM wq_queues WHERE name = 'q'")[0] == (2, 7, True)
+    stored = query(db_url, "SELECT num_epochs, seed, shuffle FROM wq_queues WHERE name = 'q'")[0]
+    assert tuple(stored) == (2, 7, True)
 
 
 def test_config_mismatch_lists_every_difference(db_url: str) -> None:
@@ -317,7 +318,10 @@ def test_epochs_never_interleave_with_shuffle(db_url: str) -> None:
             name = sorted(live)[turn % len(live)]
             turn += 1
             try:
-                got[name].append(live[name].take())
+                # Never wait: the other worker of this thread may hold the last items ahead.
+                got[name].append(live[name].take(timeout=0))
+            except QueueEmpty:
+                pass
             except QueueExhausted:
                 del live[name]
     # Each worker sees epochs in order...

@@ -18,12 +18,14 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
+from sqlalchemy.exc import DBAPIError
 
 from wq_sql.engine import safe_url
 from wq_sql.errors import SchemaOutdated
 
 # Any constant fits; it names "the wq_sql migration lock" among a database's advisory locks.
 _PG_LOCK_KEY = 0x77715F73716C  # "wq_sql"
+_PG_INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def migrations_dir() -> Path:
@@ -83,6 +85,10 @@ def upgrade(engine: Engine, schema: Optional[str] = None) -> str:
     return rev
 
 
+def _where(engine: Engine, schema: Optional[str]) -> str:
+    return f"--url '{safe_url(engine.url)}'" + (f" --schema {schema}" if schema else "")
+
+
 def ensure_schema(engine: Engine, schema: Optional[str] = None) -> None:
     """Create the schema of a brand-new database; refuse one at another revision."""
     head = head_revision()
@@ -101,10 +107,20 @@ def ensure_schema(engine: Engine, schema: Optional[str] = None) -> None:
                     raise SchemaOutdated(
                         f"{safe_url(engine.url)} has wq_sql tables ({', '.join(sorted(existing))}) but no "
                         "alembic_version row; it was not created by wq_sql's migrations. Stamp or drop it.")
-                _upgrade_locked(conn, schema)
+                try:
+                    _upgrade_locked(conn, schema)
+                except DBAPIError as e:
+                    if getattr(e.orig, "pgcode", None) != _PG_INSUFFICIENT_PRIVILEGE:
+                        raise
+                    raise SchemaOutdated(
+                        f"{safe_url(engine.url)} has no wq_sql schema yet, and this database user may "
+                        f"not create it ({str(e.orig).strip().splitlines()[0]}). Have its owner create "
+                        f"it once with: python -m wq_sql upgrade {_where(engine, schema)}  (or "
+                        "wq_sql.upgrade(url)); workers then need only SELECT, INSERT, UPDATE, DELETE "
+                        "on its tables and USAGE on its sequences.") from e
                 return
     if rev != head:
-        where = f"--url '{safe_url(engine.url)}'" + (f" --schema {schema}" if schema else "")
+        where = _where(engine, schema)
         raise SchemaOutdated(
             f"the database is at schema revision {rev!r}, this wq_sql needs {head!r}. "
             f"Upgrade it with: python -m wq_sql upgrade {where}  (or wq_sql.upgrade(url)). "

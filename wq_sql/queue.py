@@ -649,7 +649,10 @@ def _check_prefix(prefix: object) -> Optional[str]:
     if prefix is None:
         return None
     if isinstance(prefix, bytes):
-        prefix = prefix.decode("utf-8")
+        try:
+            prefix = prefix.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidInput(f"prefix is not valid UTF-8 ({e}); pass str or UTF-8 bytes") from None
     if not isinstance(prefix, str) or "\x00" in prefix:
         raise InvalidInput(f"prefix must be None or a str without NUL, got {prefix!r}")
     return prefix
