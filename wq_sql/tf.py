@@ -13,17 +13,21 @@ Only this module imports TensorFlow (``pip install 'wq_sql[tf]'``); ``import wq_
 
 Every TensorFlow entry point ends up in :meth:`wq_sql.WorkQueue.take`, called from TensorFlow's
 own threads (``tf.data`` workers, ``QueueRunner`` threads); the core serialises them with its lock.
-Items are claimed only when the pipeline pulls them: a worker holds at most ``lease_ahead``
-claimed-but-not-handed-out items, plus whatever its own pipeline has pulled ahead (a
-``TextLineDataset`` reads one file at a time; ``interleave(cycle_length=k)`` keeps ``k`` open;
-a shuffle buffer of ``B`` lines spans about ``B / lines_per_file + 1`` files).
+
+Items are claimed only when the pipeline pulls them (DeepRec issue #436: every file was taken
+before the first step). A worker holds at most ``lease_ahead`` claimed-but-not-handed-out items,
+plus what its own pipeline pulls ahead: ``TextLineDataset(wq.input_dataset())`` reads one file at
+a time; a shuffle or prefetch buffer of ``B`` lines spans about ``B / lines_per_file + 1`` files;
+``interleave(cycle_length=k)`` keeps ``k`` files open, and its parallel form (or
+``num_parallel_reads=k``) also opens about ``2 * k`` more ahead; tf.data adds a one-element
+prefetch after a pipeline's last synchronous step (``inject_prefetch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any, Optional
 
 import tensorflow as tf
@@ -33,6 +37,9 @@ from wq_sql.queue import Progress, WorkItem
 from wq_sql.queue import WorkQueue as _CoreQueue
 
 __all__ = ["WorkQueue"]
+
+# Ends input_dataset's stream internally; never handed out (works and prefixes cannot hold NUL).
+_END = b"\x00"
 
 # How long one wait of a graph-mode take() lasts before it checks whether its QueueRunner was
 # cancelled (the session is closing). Only reached while other workers hold every remaining item.
@@ -133,7 +140,7 @@ class WorkQueue:
             return item
 
     def _take_bytes(self) -> bytes:
-        """For ``tf.py_function``: ``StopIteration`` is how a py_function raises OutOfRangeError."""
+        """For ``tf.numpy_function``: ``StopIteration`` is how it raises OutOfRangeError."""
         try:
             return self._take_item().encode("utf-8")
         except QueueExhausted as e:
@@ -144,13 +151,12 @@ class WorkQueue:
             self._cancel_generation += 1
             return self._cancel_generation
 
-    def _generate(self) -> Iterator[bytes]:
-        while True:
-            try:
-                item = self._take_item()
-            except QueueExhausted:
-                return
-            yield item.encode("utf-8")
+    def _next_or_end(self) -> bytes:
+        """For ``input_dataset``: the next item, or :data:`_END` at the end."""
+        try:
+            return self._take_item().encode("utf-8")
+        except QueueExhausted:
+            return _END
 
     # ------------------------------------------------------------------ DeepRec's API
 
@@ -166,7 +172,7 @@ class WorkQueue:
             except QueueExhausted as e:
                 raise tf.errors.OutOfRangeError(None, None, str(e)) from None
         with tf.name_scope(_scope_name(self.name)):
-            work = tf.py_function(self._take_bytes, [], tf.string, name="take")
+            work = tf.numpy_function(self._take_bytes, [], tf.string, stateful=True, name="take")
         work.set_shape([])
         return work
 
@@ -174,11 +180,28 @@ class WorkQueue:
         """A ``tf.data.Dataset`` of scalar ``tf.string`` work items that ends with the queue.
 
         Items are taken as the pipeline pulls them (``TextLineDataset(wq.input_dataset())``
-        takes the next file when it has read the previous one). Iterating the dataset again
-        continues where the queue is. Auto-sharding is off: under a distribution strategy every
-        worker takes from the shared queue instead of dropping the others' share."""
-        ds = tf.data.Dataset.from_generator(
-            self._generate, output_signature=tf.TensorSpec(shape=(), dtype=tf.string))
+        takes the next file when it has read the previous one; see the module docstring for
+        what pipelines pull ahead). Iterating the dataset again continues where the queue is.
+        Auto-sharding is off: under a distribution strategy every worker takes from the shared
+        queue instead of dropping the others' share. The takes run Python in this process:
+        build the dataset in each worker's own process (between-graph training,
+        ``MirroredStrategy``); it cannot be shipped to Python-less remote workers
+        (``ParameterServerStrategy``'s ``dataset_fn`` runs on them)."""
+        # A stateful numpy_function pulled by a sequential map: one take per element, only when
+        # the pipeline asks (tf.data does not parallelise stateful maps; a stateless map after it
+        # would be, and would pull ahead). It costs far less per element than
+        # Dataset.from_generator, which matters for many small files.
+        @tf.autograph.experimental.do_not_convert
+        def take(_: tf.Tensor) -> tf.Tensor:
+            work = tf.numpy_function(self._next_or_end, [], tf.string, stateful=True, name="take")
+            work.set_shape([])
+            return work
+
+        @tf.autograph.experimental.do_not_convert
+        def not_end(work: tf.Tensor) -> tf.Tensor:
+            return tf.not_equal(work, _END)
+
+        ds = tf.data.Dataset.from_tensors(0).repeat().map(take).take_while(not_end)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         return ds.with_options(options)
@@ -198,7 +221,7 @@ class WorkQueue:
                 "(tf.compat.v1.disable_eager_execution() or `with tf.Graph().as_default():`); "
                 "in eager code use tf.data.TextLineDataset(work_queue.input_dataset())")
         with tf.name_scope(_scope_name(self.name)):
-            work = tf.py_function(self._take_for_runner, [], tf.string, name="take")
+            work = tf.numpy_function(self._take_for_runner, [], tf.string, stateful=True, name="take")
             proxy = tf.queue.FIFOQueue(capacity=1, dtypes=[tf.string], shapes=[tf.TensorShape([1])],
                                        name="proxy")
             enqueue = proxy.enqueue(tf.reshape(work, [1]))
@@ -206,9 +229,10 @@ class WorkQueue:
             # closing the session does not wait for them.
             cancel = tf.group(proxy.close(cancel_pending_enqueues=True),
                               tf.py_function(self._cancel, [], tf.int64, name="cancel_take"))
-            runner = tf.compat.v1.train.QueueRunner(proxy, [enqueue], close_op=proxy.close(),
-                                                    cancel_op=cancel)
-            tf.compat.v1.train.add_queue_runner(runner)
+            with _deprecation_silenced():  # QueueRunner is DeepRec's API; the warning is noise
+                runner = tf.compat.v1.train.QueueRunner(proxy, [enqueue], close_op=proxy.close(),
+                                                        cancel_op=cancel)
+                tf.compat.v1.train.add_queue_runner(runner)
         return proxy
 
     def _take_for_runner(self) -> bytes:
@@ -240,7 +264,7 @@ class WorkQueue:
             if step is None:
                 step = self._taken
             for tag, value in zip(tags, self._stats()):
-                tf.summary.scalar(tag, value, step=step)
+                _write_scalar(tag, value, step)
             return
         with tf.name_scope(_scope_name(self.name)):
             values = tf.py_function(self._stats, [], [tf.float32] * len(tags), name="stats")
@@ -253,7 +277,7 @@ class WorkQueue:
         if step is None and tf.summary.experimental.get_step() is None:
             step = tf.cast(values[-1], tf.int64)
         for tag, value in zip(tags, values):
-            tf.summary.scalar(tag, value, step=step)
+            _write_scalar(tag, value, step)
 
     def _summary_tags(self) -> list[str]:
         n = self.items_per_epoch
@@ -272,6 +296,22 @@ class _Cancelled(Exception):
 
     def __str__(self) -> str:
         return "the session is closing"
+
+
+def _write_scalar(tag: str, value: Any, step: Any) -> None:
+    """``tf.summary.scalar`` without it: that one lives in TensorBoard, which TensorFlow no longer
+    installs. The metadata is what TensorBoard's scalars plugin looks for."""
+    metadata = tf.compat.v1.SummaryMetadata()
+    metadata.plugin_data.plugin_name = "scalars"
+    tf.summary.write(tag, tf.cast(value, tf.float32), step=step, metadata=metadata)
+
+
+def _deprecation_silenced() -> contextlib.AbstractContextManager[Any]:
+    try:
+        from tensorflow.python.util import deprecation
+    except ImportError:  # a private module; losing it only brings the warning back
+        return contextlib.nullcontext()
+    return deprecation.silence()
 
 
 def _scope_name(name: str) -> str:

@@ -1,0 +1,86 @@
+"""The TensorFlow examples run as users run them (a subprocess each); their printed output is
+checked, so they cannot rot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tf_support import ENV, ROOT
+
+
+def run_example(name: str, tmp_path: Path) -> list[str]:
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True,
+                       timeout=180, env={**ENV, "TMPDIR": str(tmp)}, cwd=cwd)
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout}\n{p.stderr[-5000:]}"
+    assert "Traceback" not in p.stderr, p.stderr[-5000:]
+    assert not list(cwd.iterdir()), "examples keep their files in a temp dir"
+    return p.stdout.splitlines()
+
+
+def test_tf_dataset(tmp_path: Path) -> None:
+    assert run_example("tf_dataset.py", tmp_path) == [
+        "batches: 13",
+        "lines: 100",
+        "every line exactly once: True",
+        "items done: 4 of 4",
+    ]
+
+
+def test_tf_reader(tmp_path: Path) -> None:
+    assert run_example("tf_reader.py", tmp_path) == [
+        "records: 18",
+        "every line exactly once: True",
+        "summaries: work_queue/done, work_queue/epoch, work_queue/fraction_of_3_full, "
+        "work_queue/taken_by_this_worker",
+    ]
+
+
+def test_tf_keras_fit(tmp_path: Path) -> None:
+    assert run_example("tf_keras_fit.py", tmp_path) == [
+        "steps: 24",
+        "items done: 12 of 12",
+        "loss went down: True",
+        "accuracy on new points above 0.9: True",
+    ]
+
+
+# DeepRec's documented examples (docs/docs_en/WorkQueue.md), import line excluded.
+DEEPREC_DATASET = """
+work_queue = WorkQueue([filename, filename1,filename2,filename3])
+f_data = work_queue.input_dataset()
+dataset = tf.data.TextLineDataset(f_data)
+dataset = dataset.shuffle(buffer_size=20000, seed=2021) # fix seed for reproducing
+dataset = dataset.repeat(num_epochs)
+dataset = dataset.prefetch(batch_size)
+dataset = dataset.batch(batch_size)
+dataset = dataset.prefetch(1)
+"""
+DEEPREC_READER = """
+work_queue = WorkQueue([path1, path2, path3], shuffle=True)
+work_queue.add_summary()
+reader = tf.TextLineReader()
+keys, values = reader.read_up_to(work_queue.input_producer(), num_records=2)
+with tf.train.MonitoredTrainingSession() as sess:
+"""
+
+
+def code_lines(text: str) -> list[str]:
+    """Lines without comments and whitespace."""
+    out = ["".join(line.split("#")[0].split()) for line in text.splitlines()]
+    return [line for line in out if line]
+
+
+@pytest.mark.parametrize("name, deeprec", [("tf_dataset.py", DEEPREC_DATASET),
+                                           ("tf_reader.py", DEEPREC_READER)])
+def test_examples_are_deeprecs_but_for_the_import(name: str, deeprec: str) -> None:
+    text = (ROOT / "examples" / name).read_text()
+    assert "# from tensorflow.python.ops.work_queue import WorkQueue\nfrom wq_sql.tf import WorkQueue" in text
+    ours, theirs = code_lines(text), code_lines(deeprec)
+    start = ours.index(theirs[0])
+    assert ours[start:start + len(theirs)] == theirs

@@ -1,0 +1,83 @@
+"""One worker process of the multi-worker tests: ``python tf_worker.py '<job as JSON>'``.
+
+Prints one JSON line: what this worker read, and whether its pipeline ended with OutOfRange.
+Workers wait for each other at a file barrier before reading, so that they really overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def barrier(directory: str, me: str, n: int, timeout: float = 120) -> None:
+    Path(directory, f"ready-{me}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(Path(directory).glob("ready-*"))) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit("barrier timed out")
+        time.sleep(0.05)
+
+
+def multi_worker_dataset(job: dict[str, Any]) -> dict[str, Any]:
+    """DeepRec's test_multi_worker_dataset, one worker: TF1 graph, MonitoredTrainingSession."""
+    import tensorflow as tf
+
+    from wq_sql.tf import WorkQueue
+
+    v1 = tf.compat.v1
+    result, out_of_range = [], 0
+    with tf.Graph().as_default():
+        work_queue = WorkQueue(job["works"], num_epochs=job["num_epochs"], shuffle=True,
+                               name="global_queue", url=job["url"], worker=job["worker"])
+        dataset = work_queue.input_dataset()
+        iterator = v1.data.make_initializable_iterator(dataset)
+        v1.add_to_collection(v1.GraphKeys.TABLE_INITIALIZERS, iterator.initializer)
+        data = iterator.get_next()
+        barrier(job["barrier"], job["worker"], job["n_workers"])
+        with v1.train.MonitoredTrainingSession(is_chief=job["worker"] == "worker:0") as sess:
+            while True:
+                try:
+                    result.append(sess.run(data).decode())
+                except tf.errors.OutOfRangeError:
+                    out_of_range += 1
+                    break
+                time.sleep(job["pause"])
+            try:
+                sess.run(data)
+            except tf.errors.OutOfRangeError:
+                out_of_range += 1
+    return {"result": result, "out_of_range": out_of_range}
+
+
+def text_lines(job: dict[str, Any]) -> dict[str, Any]:
+    """TF2 eager: every line of TextLineDataset(wq.input_dataset()), in batches."""
+    import tensorflow as tf
+
+    from wq_sql.tf import WorkQueue
+
+    work_queue = WorkQueue(job["files"], num_epochs=1, shuffle=True, name="text_files",
+                           url=job["url"], worker=job["worker"])
+    dataset = tf.data.TextLineDataset(work_queue.input_dataset()).batch(5).prefetch(1)
+    barrier(job["barrier"], job["worker"], job["n_workers"])
+    lines: list[str] = []
+    for batch in dataset:
+        lines.extend(x.decode("utf-8") for x in batch.numpy().tolist())
+        time.sleep(job["pause"])
+    iterator = iter(dataset)
+    try:
+        iterator.get_next()
+        ended = False
+    except tf.errors.OutOfRangeError:
+        ended = True
+    work_queue.close()
+    return {"lines": lines, "ended_again": ended, "taken": work_queue.taken}
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    report = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines}[job["mode"]](job)
+    print(json.dumps(report))
