@@ -229,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     speeds.update({f"slow-{i}": slow_ms for i in range(n_fast, args.workers)})
     print(f"{args.workers} worker processes drain {args.epochs} epochs of {args.items} items from "
           f"{_shown(url)}:\n  {n_fast} fast ({args.fast_ms:g} ms per item), {args.stragglers} "
-          f"straggler(s) ({slow_ms:g} ms per item)\n")
+          f"straggler{'s' if args.stragglers > 1 else ''} ({slow_ms:g} ms per item)\n")
     t0 = time.monotonic()
     logs = run_workers(url, speeds, args.items, args.epochs)
     wall = time.monotonic() - t0

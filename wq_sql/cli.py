@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from alembic import command
+from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -170,8 +172,6 @@ def _ago(now: dt.datetime, then: dt.datetime) -> str:
 def cmd_upgrade(args: argparse.Namespace) -> int:
     url = _url(args)
     if args.sql:
-        from alembic import command
-
         if args.schema and url.get_backend_name() == "postgresql":
             # Offline DDL names its tables unqualified; the schema comes from the search path.
             print(f'CREATE SCHEMA IF NOT EXISTS "{args.schema}";\nSET search_path TO "{args.schema}";\n')
@@ -441,10 +441,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _describe(e: Exception) -> str:
     if isinstance(e, (CliError, WqSqlError)):
         return str(e)
-    try:
-        from alembic.util import CommandError
-    except ImportError:  # pragma: no cover
-        CommandError = ()  # type: ignore[assignment,misc]  # noqa: N806
     if isinstance(e, CommandError):
         return (f"{e}; the database may have been migrated by a newer wq_sql: upgrade wq_sql "
                 "(or run with --debug)")
