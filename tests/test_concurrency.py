@@ -1,7 +1,9 @@
-"""Real concurrency: worker processes, threads and a forked child draining one queue.
+"""Real concurrency: worker processes, threads and forked children sharing one queue.
 
 Every test checks exactly-once twice: from what the workers *received* (their own logs, or the
-lists the threads kept) and by SQL over the whole table (``wq_audit``, ``wq_history``).
+lists the threads and children kept) and by SQL over the whole table (``wq_audit``,
+``wq_history``). The fork cases run in a subprocess of their own (never fork pytest itself),
+started in a new session so that a hung grandchild is killed with it.
 """
 
 from __future__ import annotations
@@ -9,16 +11,20 @@ from __future__ import annotations
 import collections
 import json
 import os
+import select
+import signal
+import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from worker_proc import ROOT, Proc, make_works, query, received_multiset
 
-from wq_sql import QueueExhausted, WorkQueue
+from wq_sql import QueueExhausted, WorkItem, WorkQueue
 
 
 @pytest.fixture
@@ -28,6 +34,40 @@ def procs() -> Iterator[list[Proc]]:
     yield started
     for p in started:
         p.cleanup()
+
+
+def popen_script(code: str, *args: str, interactive: bool = False) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *args], text=True,
+                            stdin=subprocess.PIPE if interactive else None,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def read_line(p: subprocess.Popen[str], timeout: float = 60) -> str:
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    assert ready, f"no output from the script within {timeout}s"
+    return p.stdout.readline()
+
+
+def reap(p: subprocess.Popen[str]) -> None:
+    """Kill what is left of the script's session (a hung forked child too)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=30)
+
+
+def run_script(code: str, *args: str) -> str:
+    """Run a forking script to its end (2 minutes at most); returns its stderr."""
+    p = popen_script(code, *args)
+    try:
+        _, stderr = p.communicate(timeout=120)
+    finally:
+        reap(p)
+    assert p.returncode == 0, stderr
+    return stderr
 
 
 def assert_done_exactly_once(url: str, name: str, total: int) -> None:
@@ -85,7 +125,7 @@ def test_processes_drain_two_epochs_exactly_once(db_url: str, backend: str, tmp_
     assert received_multiset(procs) == collections.Counter(works * epochs)
     received = [r for p in procs for r in p.received()]
     assert_received_exactly_once(received, works, epochs)
-    # More than one worker did the work (they overlapped; nobody was starved by a lock).
+    # The processes really ran side by side (not one after the other).
     assert sum(1 for p in procs if p.received()) >= 2
 
     # What the table says.
@@ -159,7 +199,7 @@ def test_threads_share_one_queue(db_url: str) -> None:
                     item = wq.take()
                 except QueueExhausted:
                     return
-                assert isinstance(item, str) and item == item.work
+                assert isinstance(item, WorkItem) and item == item.work
                 got[i].append((item.epoch, item.seq, item.work))
         except BaseException as e:  # reported below with the thread's number
             errors.append(e)
@@ -179,7 +219,7 @@ def test_threads_share_one_queue(db_url: str) -> None:
 
 FORK_SCRIPT = r"""
 import json, os, sys, traceback
-from wq_sql import QueueExhausted, WorkQueue
+from wq_sql import QueueExhausted, WorkItem, WorkQueue
 
 url, out = sys.argv[1], sys.argv[2]
 works = [f"w{i:05d}" for i in range(300)]
@@ -220,12 +260,10 @@ def test_forked_child_takes_its_own_items(db_url: str, tmp_path: Path) -> None:
     """A child forked after the parent took an item opens its own connections under its own
     identity; parent and child never receive the same item."""
     out = tmp_path / "fork"
-    p = subprocess.run([sys.executable, "-c", FORK_SCRIPT, db_url, str(out)], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.returncode == 0, p.stderr
+    stderr = run_script(FORK_SCRIPT, db_url, str(out))
     parent = json.loads(out.with_suffix(".parent").read_text())
     child = json.loads(out.with_suffix(".child").read_text())
-    assert parent["child_status"] == 0, p.stderr
+    assert parent["child_status"] == 0, stderr
     assert parent["worker"] == "parent"
     assert child["worker"].startswith("parent+") and child["worker"] != "parent"
     pk = [tuple(x[:2]) for x in parent["got"]]
@@ -239,3 +277,212 @@ def test_forked_child_takes_its_own_items(db_url: str, tmp_path: Path) -> None:
     by_worker = dict(query(db_url, "SELECT worker, count(*) FROM wq_audit WHERE queue = 'fork' "
                                    "GROUP BY worker"))
     assert by_worker == {"parent": len(pk), child["worker"]: len(ck)}
+
+
+FORK_WHILE_TAKING_SCRIPT = r"""
+import faulthandler, json, os, sys, threading, time, traceback
+from wq_sql import WorkQueue
+
+url, out = sys.argv[1], sys.argv[2]
+wq = WorkQueue([f"w{i:03d}" for i in range(20)], shuffle=False, name="busy", url=url, worker="parent")
+print("READY", flush=True)
+assert sys.stdin.readline() == "go\n"  # the test now holds the database
+got = []
+taker = threading.Thread(target=lambda: got.append(wq.take()), daemon=True)
+taker.start()
+deadline = time.monotonic() + 30
+while wq._lock.acquire(blocking=False):  # the thread is not blocked inside take() yet
+    wq._lock.release()
+    assert time.monotonic() < deadline, "the taking thread never got in"
+    time.sleep(0.01)
+print("FORKING", flush=True)  # SQLite: fork() waits for the thread's transaction to end
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        faulthandler.dump_traceback_later(30, exit=True)
+        item = wq.take()
+        wq.close()
+        with open(out + ".child", "w") as f:
+            json.dump({"worker": wq.worker, "got": [item.epoch, item.seq]}, f)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+taker.join(60)
+assert got, "the parent's thread got nothing"
+_, status = os.waitpid(pid, 0)
+wq.close()
+with open(out + ".parent", "w") as f:
+    json.dump({"got": [got[0].epoch, got[0].seq], "child_status": status}, f)
+"""
+
+
+def hold_database(url: str) -> Callable[[], None]:
+    """Block every writer of the queue tables (from this process); returns the release."""
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.split("///", 1)[1], isolation_level=None)
+        con.execute("BEGIN IMMEDIATE")
+    else:
+        import psycopg2
+
+        con = psycopg2.connect(url.replace("postgresql+psycopg2", "postgresql"))
+        con.cursor().execute("LOCK TABLE wq_items IN EXCLUSIVE MODE")
+
+    def release() -> None:
+        con.rollback()
+        con.close()
+    return release
+
+
+def test_fork_while_another_thread_is_inside_take(db_url: str, tmp_path: Path) -> None:
+    """fork() while another thread of the parent is inside take() (blocked in its claim, holding
+    the queue's lock): the child must not inherit that lock as held forever (the thread does not
+    exist in the child); child and parent each get their own item. On SQLite fork() first waits
+    for the thread's transaction to end (the child must inherit no SQLite connection)."""
+    out = tmp_path / "fork"
+    p = popen_script(FORK_WHILE_TAKING_SCRIPT, db_url, str(out), interactive=True)
+    release = None
+    try:
+        assert p.stdin is not None
+        assert read_line(p) == "READY\n"
+        release = hold_database(db_url)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert read_line(p) == "FORKING\n"
+        time.sleep(0.5)  # let fork() begin while the thread is still blocked (either order is fine)
+        release()
+        release = None
+        _, stderr = p.communicate(timeout=120)
+    finally:
+        if release is not None:
+            release()
+        reap(p)
+    assert p.returncode == 0, stderr
+    parent = json.loads(out.with_suffix(".parent").read_text())
+    assert parent["child_status"] == 0, stderr  # not hung on the lock the thread held
+    child = json.loads(out.with_suffix(".child").read_text())
+    assert sorted([parent["got"], child["got"]]) == [[0, 0], [0, 1]]
+    assert child["worker"].startswith("parent+")
+    rows = query(db_url, "SELECT seq, state FROM wq_audit WHERE queue = 'busy' ORDER BY seq")
+    assert [tuple(r) for r in rows] == [(0, "done"), (1, "done")] + [(s, "pending") for s in range(2, 20)]
+
+
+FORK_OUTLIVES_SCRIPT = r"""
+import json, os, sys
+from wq_sql import WorkQueue
+
+url, out = sys.argv[1], sys.argv[2]
+wq = WorkQueue([f"w{i:03d}" for i in range(50)], shuffle=False, name="outlive", url=url, worker="p")
+first = wq.take()
+r1, w1 = os.pipe()
+r2, w2 = os.pipe()
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        got = [wq.take()]
+        os.write(w1, b"1")  # the child's own connections are open
+        os.read(r2, 1)      # the parent has closed all of its connections
+        got += [wq.take() for _ in range(10)]
+        wq.close()
+        with open(out + ".child", "w") as f:
+            json.dump({"worker": wq.worker, "got": [[g.epoch, g.seq] for g in got]}, f)
+        code = 0
+    finally:
+        os._exit(code)
+assert os.read(r1, 1) == b"1"
+wq.close()
+os.write(w2, b"1")
+_, status = os.waitpid(pid, 0)
+with open(out + ".parent", "w") as f:
+    json.dump({"got": [first.epoch, first.seq], "child_status": status}, f)
+"""
+
+
+def test_forked_child_outlives_the_parents_connections(db_url: str, tmp_path: Path) -> None:
+    """The parent closes its queue (its last connection) while the forked child goes on: the
+    child's claims and completions are all in the database afterwards. (SQLite: a child that
+    shared the parent's in-process lock state lost them when the parent's close removed the WAL.)"""
+    out = tmp_path / "fork"
+    stderr = run_script(FORK_OUTLIVES_SCRIPT, db_url, str(out))
+    parent = json.loads(out.with_suffix(".parent").read_text())
+    assert parent["child_status"] == 0, stderr
+    child = json.loads(out.with_suffix(".child").read_text())
+    assert parent["got"] == [0, 0]
+    assert child["got"] == [[0, s] for s in range(1, 12)]
+    rows = query(db_url, "SELECT seq, state, worker FROM wq_audit WHERE queue = 'outlive' "
+                         "AND state <> 'pending' ORDER BY seq")
+    expected = [(0, "done", "p")] + [(s, "done", child["worker"]) for s in range(1, 12)]
+    assert [tuple(r) for r in rows] == expected
+    assert query(db_url, "SELECT kind, count(*) FROM wq_history WHERE queue = 'outlive' GROUP BY kind "
+                         "ORDER BY kind") == [("claim", 12), ("done", 12)]
+
+
+FORK_REPEATEDLY_SCRIPT = r"""
+import faulthandler, json, os, sys, threading, traceback
+from wq_sql import QueueExhausted, WorkQueue
+
+url, out, forks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+wq = WorkQueue([f"w{i:05d}" for i in range(50000)], shuffle=False, name="forks", url=url,
+               worker="parent")
+stop = threading.Event()
+taken = []
+
+def take_all_the_time():
+    while not stop.is_set():
+        try:
+            item = wq.take()
+        except QueueExhausted:  # only if a child hung meanwhile; the test fails on its status
+            return
+        taken.append([item.epoch, item.seq])
+
+taker = threading.Thread(target=take_all_the_time, daemon=True)
+taker.start()
+while len(taken) < 20:
+    stop.wait(0.01)
+statuses = []
+for k in range(forks):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            faulthandler.dump_traceback_later(20, exit=True)
+            item = wq.take()
+            wq.close()
+            with open(f"{out}.child{k}", "w") as f:
+                json.dump({"worker": wq.worker, "got": [item.epoch, item.seq]}, f)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    statuses.append(os.waitpid(pid, 0)[1])
+    if statuses[-1]:
+        break
+stop.set()
+taker.join(60)
+wq.close()
+with open(out + ".parent", "w") as f:
+    json.dump({"taken": taken, "statuses": statuses}, f)
+"""
+
+
+def test_fork_repeatedly_while_a_thread_takes(db_url: str, tmp_path: Path) -> None:
+    """A thread takes items all the time (so it is inside a transaction at most instants) while
+    the main thread forks children that each take an item: every child gets its own item at
+    once. (SQLite: a child that inherits a connection in the middle of a write transaction
+    inherits its lock too, and waits for it forever.)"""
+    out, forks = tmp_path / "fork", 8
+    stderr = run_script(FORK_REPEATEDLY_SCRIPT, db_url, str(out), str(forks))
+    parent = json.loads(out.with_suffix(".parent").read_text())
+    assert parent["statuses"] == [0] * forks, stderr
+    children = [json.loads((tmp_path / f"fork.child{k}").read_text()) for k in range(forks)]
+    got = [tuple(x) for x in parent["taken"]] + [tuple(c["got"]) for c in children]
+    assert len(set(got)) == len(got)
+    assert len({c["worker"] for c in children}) == forks
+    done = query(db_url, "SELECT epoch, seq FROM wq_audit WHERE queue = 'forks' AND state = 'done'")
+    assert sorted(got) == sorted(tuple(r) for r in done)
+    claimed = query(db_url, "SELECT count(*) FROM wq_audit WHERE queue = 'forks' AND state = 'claimed'")
+    assert claimed == [(0,)]

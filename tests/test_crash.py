@@ -9,16 +9,16 @@ the database clock (lease_until against event times), never against tight wall-c
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import sqlite3
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_proc import Proc, make_works, query, received_multiset
+from worker_proc import Proc, make_works, query, query_commit, received_multiset
 
 
 @pytest.fixture
@@ -59,6 +59,13 @@ def lease_until(url: str, name: str, epoch: int, seq: int) -> Any:
                       "WHERE q.name = :q AND i.epoch = :e AND i.seq = :s", q=name, e=epoch, s=seq)[0][0]
 
 
+def ts(value: Any) -> datetime:
+    """A timestamp read through plain ``text()`` SQL: SQLite returns the stored text."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value[:26])
+    return value.replace(tzinfo=None)
+
+
 def assert_all_done_once(url: str, name: str, total: int) -> None:
     assert dict(query(url, "SELECT state, count(*) FROM wq_audit WHERE queue = :q GROUP BY state",
                       q=name)) == {"done": total}
@@ -79,7 +86,8 @@ def writer_busy(url: str, backend: str) -> bool:
         finally:
             con.close()
     return query(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                      "AND pid <> pg_backend_pid() AND state <> 'idle'")[0][0] > 0
+                      "AND pid <> pg_backend_pid() AND backend_type = 'client backend' "
+                      "AND state <> 'idle'")[0][0] > 0
 
 
 def stop_between_transactions(stale: list[Proc], url: str, backend: str) -> None:
@@ -165,10 +173,10 @@ def test_sigkill_other_worker_gets_the_item_only_after_the_lease(db_url: str, tm
     h = history(db_url, name, 0, 0)
     assert [(r.kind, r.worker) for r in h] == [("claim", "dead"), ("expire", "dead"),
                                                ("claim", "other"), ("done", "other")]
-    assert h[1].at >= until and h[2].at >= until, (until, h)
+    assert ts(h[1].at) >= ts(until) and ts(h[2].at) >= ts(until), (until, h)
     # "other" was taking (and then polling) while the lease still ran.
     first_claim = query(db_url, "SELECT min(at) FROM wq_history WHERE kind = 'claim' AND worker = 'other'")
-    assert first_claim[0][0] < until
+    assert ts(first_claim[0][0]) < ts(until)
     assert audit(db_url, name, 0, 0).attempts == 1
     assert_all_done_once(db_url, name, n)
 
@@ -183,7 +191,7 @@ def test_sigstop_past_the_lease_then_stale_acks_are_rejected(db_url: str, backen
     second one's implicit ack (its next take()) is rejected; each item is done exactly once."""
     n, name, lease = 10, "stale", 2.0
     works = make_works(n)
-    opts = dict(shuffle=0, lease=lease, heartbeat=0.3)
+    opts: dict[str, Any] = dict(shuffle=0, lease=lease, heartbeat=0.3)
     explicit = start(procs, db_url, name, "explicit", tmp_path, n, hold=1, **opts)
     held_x = holding(explicit)
     implicit = start(procs, db_url, name, "implicit", tmp_path, n, hold=1, **opts)
@@ -206,7 +214,7 @@ def test_sigstop_past_the_lease_then_stale_acks_are_rejected(db_url: str, backen
     for p in (explicit, implicit):
         assert p.finish(timeout=30) == 0, p.stderr()
     assert "LeaseLost" not in implicit.stderr()
-    assert "their completion was rejected: (epoch 0, seq %d)" % held_i[1] in implicit.stderr()
+    assert f"their completion was rejected: (epoch 0, seq {held_i[1]})" in implicit.stderr()
 
     for (e, s, _), stale in ((held_x, "explicit"), (held_i, "implicit")):
         h = history(db_url, name, e, s)
@@ -219,13 +227,57 @@ def test_sigstop_past_the_lease_then_stale_acks_are_rejected(db_url: str, backen
         works + [held_x[2], held_i[2]])
 
 
+@pytest.mark.parametrize("ack", ["complete", "take"])
+def test_stale_ack_is_fenced_while_another_worker_holds_the_item(
+        db_url: str, backend: str, tmp_path: Path, procs: list[Proc], ack: str) -> None:
+    """The stale worker acks while the item is *claimed* by the worker that took it over (not yet
+    done): the token, not the state, must reject it, for ``complete()`` and for the implicit ack
+    sent with the next claim; the new holder then completes it normally."""
+    n, name, lease = 4, "fence", 2.0
+    works = make_works(n)
+    opts: dict[str, Any] = dict(shuffle=0, lease=lease, heartbeat=0.3)
+    stale = start(procs, db_url, name, "stale", tmp_path, n, hold=1, **opts)
+    assert holding(stale) == (0, 0, works[0])
+    stop_between_transactions([stale], db_url, backend)
+    fresh = start(procs, db_url, name, "fresh", tmp_path, n, hold=n, **opts)
+    assert holding(fresh) == (0, 0, works[0])  # the other items first, then this one once expired
+    token = query(db_url, "SELECT token FROM wq_items WHERE epoch = 0 AND seq = 0")[0][0]
+
+    stale.signal(signal.SIGCONT)
+    stale.send(ack)
+    if ack == "complete":
+        assert stale.expect(("LEASELOST", "COMPLETED"), timeout=30) == "LEASELOST"
+    else:
+        deadline = time.monotonic() + 30
+        while "their completion was rejected: (epoch 0, seq 0)" not in stale.stderr():
+            assert time.monotonic() < deadline, stale.stderr()
+            time.sleep(0.05)
+    row = audit(db_url, name, 0, 0)
+    assert (row.state, row.worker) == ("claimed", "fresh")
+    assert query(db_url, "SELECT token FROM wq_items WHERE epoch = 0 AND seq = 0") == [(token,)]
+
+    fresh.send("complete")
+    assert fresh.expect(("LEASELOST", "COMPLETED"), timeout=30) == "COMPLETED"
+    fresh.send("exit")
+    if ack == "complete":
+        stale.send("exit")
+    else:
+        assert stale.expect("EXHAUSTED", timeout=30) == f"EXHAUSTED {n} 0"
+    for p in (stale, fresh):
+        assert p.finish(timeout=30) == 0, p.stderr()
+    assert [(r.kind, r.worker) for r in history(db_url, name, 0, 0)] == [
+        ("claim", "stale"), ("expire", "stale"), ("claim", "fresh"), ("done", "fresh")]
+    assert_all_done_once(db_url, name, n)
+    assert stale.received() == [(0, 0, works[0])]
+
+
 def test_live_worker_keeps_its_item_for_three_leases(db_url: str, tmp_path: Path,
                                                      procs: list[Proc]) -> None:
     """A live, heartbeating worker holds an item for more than 3 leases while another worker
     polls for work the whole time: the item is never re-delivered."""
     n, name, lease = 8, "live", 2.0
     works = make_works(n)
-    opts = dict(shuffle=0, lease=lease, heartbeat=0.3)
+    opts: dict[str, Any] = dict(shuffle=0, lease=lease, heartbeat=0.3)
     holder = start(procs, db_url, name, "holder", tmp_path, n, hold=1, **opts)
     assert holding(holder) == (0, 0, works[0])
     held_since = time.monotonic()
@@ -249,12 +301,7 @@ def test_live_worker_keeps_its_item_for_three_leases(db_url: str, tmp_path: Path
     assert (0, 0, works[0]) not in poller.received()
     h = history(db_url, name, 0, 0)
     assert [(r.kind, r.worker) for r in h] == [("claim", "holder"), ("done", "holder")]
-    held = h[1].at - h[0].at
-    if isinstance(held, str):  # SQLite returns the stored text through a plain text() query
-        from datetime import datetime
-
-        held = datetime.fromisoformat(h[1].at[:26]) - datetime.fromisoformat(h[0].at[:26])
-    assert held.total_seconds() >= 3 * lease
+    assert (ts(h[1].at) - ts(h[0].at)).total_seconds() >= 3 * lease
     assert query(db_url, "SELECT count(*) FROM wq_history WHERE kind = 'expire'") == [(0,)]
     assert_all_done_once(db_url, name, n)
 
@@ -291,4 +338,35 @@ def test_worker_identity_is_exclusive_and_taken_over_after_death(db_url: str, tm
     assert [(r.kind, r.worker) for r in history(db_url, name, 0, 0)] == [
         ("claim", "same"), ("recover", "same"), ("done", "same")]
     assert query(db_url, "SELECT pid FROM wq_workers WHERE name = 'same'") == [(third.pid,)]
+    assert_all_done_once(db_url, name, n)
+
+
+def test_worker_identity_held_from_another_host_is_judged_by_heartbeat_age(
+        db_url: str, tmp_path: Path, procs: list[Proc]) -> None:
+    """When the holder of an identity registered from another host (no process check possible),
+    its heartbeat decides: fresh means live (WorkerConflict), stale for 3 heartbeats means dead
+    (taken over, its item taken back long before the lease ends)."""
+    n, name, lease, beat = 6, "xhost", 60.0, 0.5
+    works = make_works(n)
+    first = start(procs, db_url, name, "roaming", tmp_path, n, tag="-1", shuffle=0, lease=lease,
+                  heartbeat=beat, hold=1)
+    assert holding(first) == (0, 0, works[0])
+    query_commit(db_url, "UPDATE wq_workers SET host = 'elsewhere.example' WHERE name = 'roaming'")
+
+    second = start(procs, db_url, name, "roaming", tmp_path, n, tag="-2", shuffle=0, lease=lease,
+                   heartbeat=beat)
+    assert second.wait(timeout=60) == 3, second.stderr()
+    assert "elsewhere.example" in second.stderr()
+    assert second.received() == []
+    assert [r.kind for r in history(db_url, name, 0, 0)] == ["claim"]
+
+    first.kill()
+    third = start(procs, db_url, name, "roaming", tmp_path, n, tag="-3", shuffle=0, lease=lease,
+                  heartbeat=beat)
+    started = third.expect("STARTED", timeout=60)
+    assert float(started.split()[1]) < 20  # about 3 heartbeats, far less than the 60 s lease
+    assert third.finish(timeout=60) == 0, third.stderr()
+    assert third.received()[0] == (0, 0, works[0])
+    assert [(r.kind, r.worker) for r in history(db_url, name, 0, 0)] == [
+        ("claim", "roaming"), ("recover", "roaming"), ("done", "roaming")]
     assert_all_done_once(db_url, name, n)

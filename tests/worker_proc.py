@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     # INFO from wq_sql and alembic lets a test count "created queue" and "Running upgrade".
     logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
     logging.getLogger("wq_sql").setLevel(logging.INFO)
-    logging.getLogger("alembic").setLevel(logging.INFO)
+    logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
     from wq_sql import QueueExhausted, WorkerConflict, WorkQueue
     from wq_sql.errors import LeaseLost
 
@@ -161,7 +161,6 @@ class Proc:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         env.pop("WQ_SQL_WORKER", None)
         env.pop("TF_CONFIG", None)
-        self.started_at = time.monotonic()
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self._stderr, env=env, text=True)
         self.pid = self.p.pid
@@ -272,6 +271,20 @@ def query(url: str, sql: str, **params: Any) -> list[Any]:
     try:
         with engine.connect() as c:
             return list(c.execute(sa.text(sql), params).all())
+    finally:
+        engine.dispose()
+
+
+def query_commit(url: str, sql: str, **params: Any) -> None:
+    """Run one writing statement and commit it."""
+    import sqlalchemy as sa
+
+    from wq_sql.engine import resolve_url
+
+    engine = sa.create_engine(resolve_url(url))
+    try:
+        with engine.begin() as c:
+            c.execute(sa.text(sql), params)
     finally:
         engine.dispose()
 
