@@ -17,7 +17,7 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.tf: $(VENV)/.core
-	$(BIN)/pip install -q -e ".[test,tf]"
+	$(BIN)/pip install -q -e ".[test,tf,plot]"
 	touch $@
 
 demo: $(VENV)/.core  ## set up and run the multi-worker long-tail demo on SQLite
@@ -38,6 +38,13 @@ test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 lint: $(VENV)/.core  ## ruff
 	$(BIN)/ruff check wq_sql tests examples migrations
 	$(BIN)/mypy
+
+bench: $(VENV)/.core  ## run the benchmarks of BENCHMARKS.md (tens of minutes; needs PostgreSQL)
+	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
+	$(BIN)/python bench/claim_throughput.py && $(BIN)/python bench/long_tail.py && \
+	$(BIN)/python bench/long_tail.py --backend postgresql && \
+	$(BIN)/python bench/scale.py create --backend sqlite && $(BIN)/python bench/scale.py create --backend postgresql && \
+	$(BIN)/python bench/scale.py drain --backend postgresql --n 100000
 
 clean:  ## remove the venv and local databases
 	rm -rf $(VENV) *.db *.db-wal *.db-shm

@@ -151,7 +151,9 @@ def test_upgrade_sql_prints_ddl_offline(backend: str, tmp_path: Path) -> None:
 
 def test_unknown_queue(db_url: str, tmp_path: Path) -> None:
     ok(wq("upgrade", "--url", db_url, cwd=tmp_path))
-    for command in (["status", "nope"], ["reset", "nope", "--yes"], ["drop", "nope", "--yes"]):
+    for command in (["status", "nope"], ["reset", "nope", "--yes"], ["drop", "nope", "--yes"],
+                    ["audit", "nope"], ["requeue", "nope", "--failed"],
+                    ["report", "nope", "--out", "r.html"]):
         one_line_error(wq(*command, "--url", db_url, cwd=tmp_path), "no queue named 'nope'", "ls")
 
 
@@ -214,3 +216,132 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert p.returncode == 2 and "usage: wq-sql" in p.stderr
     p = wq("--url", "not a url", "ls", cwd=tmp_path)
     one_line_error(p, "not a database URL")
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The command in this process (fast; the acceptance tests run it as a subprocess)."""
+    from wq_sql.cli import main
+
+    rc = main(list(args))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_requeue_expired_and_done_keep_the_counters_right(db_url: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from worker_proc import query, query_commit
+
+    from wq_sql import QueueExhausted, WorkQueue
+
+    wq_ = WorkQueue([f"w{i}" for i in range(6)], num_epochs=2, shuffle=False, name="train", url=db_url,
+                    worker="alice")
+    items = [wq_.take() for _ in range(4)]  # 3 done, the 4th claimed
+    other = WorkQueue.attach("train", url=db_url, worker="bob")
+    other_item = other.take()  # claimed, its lease is live: --expired leaves it alone
+    query_commit(db_url, "UPDATE wq_items SET lease_until = :t WHERE id = :i", t="2000-01-01 00:00:00.000000",
+                 i=items[-1].item_id)
+    rc, out, _ = run_cli(capsys, "requeue", "train", "--expired", "--url", db_url)
+    assert rc == 0 and "requeued 1 item(s)" in out and "expired lease" in out
+    assert wq_.progress().done == 3
+    other.release(other_item)
+    other.close()
+    rc, out, err = run_cli(capsys, "requeue", "train", "--done", "--epoch", "0", "--url", db_url)
+    assert rc == 0 and "requeued 3 item(s) of epoch 0" in out
+    assert wq_.progress().done == 0
+    assert query(db_url, "SELECT sum(n_done) FROM wq_tallies")[0][0] == 0
+    rc, _, err = run_cli(capsys, "requeue", "train", "--worker", "carol", "--url", db_url)
+    assert rc == 1 and "no worker named 'carol'" in err
+    rc, out, err = run_cli(capsys, "requeue", "train", "--worker", "alice", "--url", db_url)
+    assert rc == 0 and "requeued 0 item(s)" in out
+    seen = [str(wq_.take()) for _ in range(12)]  # everything comes round again, then finishes
+    assert sorted(seen) == sorted([f"w{i}" for i in range(6)] * 2)
+    with pytest.raises(QueueExhausted) as exc:
+        wq_.take()
+    assert (exc.value.done, exc.value.failed) == (12, 0)
+    wq_.close()
+    rc, out, _ = run_cli(capsys, "audit", "train", "--url", db_url)
+    assert rc == 0 and "exactly-once: OK" in out and "re-delivered items: 5" in out
+    kinds = [r.kind for r in query(db_url, "SELECT kind FROM wq_history WHERE epoch = 0 AND seq = 3 "
+                                           "ORDER BY event_id")]
+    assert kinds == ["claim", "requeue", "claim", "done"]
+
+
+def test_create_from_globs_and_literal_works(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from wq_sql import QueueConfigMismatch, WorkQueue
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("b.parquet", "a.parquet", "c.txt"):
+        (tmp_path / "data" / name).touch()
+    rc, out, _ = run_cli(capsys, "create", "q", "--works", "data/*.parquet", "hdfs://nn/x", "--no-shuffle",
+                         "--epochs", "2", "--url", db_url)
+    assert rc == 0 and "created queue 'q'" in out and "3 items per epoch, 2 epoch(s), in order" in out
+    rc, out, _ = run_cli(capsys, "create", "q", "--works", "data/*.parquet", "hdfs://nn/x", "--no-shuffle",
+                         "--epochs", "2", "--url", db_url)
+    assert rc == 0 and "already exists with this configuration" in out
+    works = ["data/a.parquet", "data/b.parquet", "hdfs://nn/x"]  # globs sorted, literals kept
+    with WorkQueue(works, num_epochs=2, shuffle=False, name="q", url=db_url, worker="w") as wq_:
+        assert [str(wq_.take()) for _ in range(3)] == works
+    with pytest.raises(QueueConfigMismatch):
+        WorkQueue(works, num_epochs=2, shuffle=True, name="q", url=db_url, worker="w")
+    rc, _, err = run_cli(capsys, "create", "q", "--works", *works, "--epochs", "3", "--url", db_url)
+    assert rc == 1 and "exists with another configuration" in err and "num_epochs: stored 2, given 3" in err
+    assert len(err.splitlines()) == 1
+    rc, _, err = run_cli(capsys, "create", "q2", "--works", "data/*.csv", "--url", db_url)
+    assert rc == 1 and "matches no file" in err and "quote the pattern" in err
+    rc, _, err = run_cli(capsys, "create", "q2", "--works", "a", "--epochs", "0", "--url", db_url)
+    assert rc == 1 and "num_epochs must be a positive int" in err
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    rc, _, err = run_cli(capsys, "create", "q2", "--works-from", "empty.txt", "--url", db_url)
+    assert rc == 1 and "lists no works" in err
+
+
+def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from wq_sql import WorkQueue
+
+    with WorkQueue([f"w{i}" for i in range(5)], name="q", url=db_url, worker="alice") as wq_:
+        for _ in wq_:
+            pass
+    rc, _, err = run_cli(capsys, "report", "q", "--out", str(tmp_path / "t.pdf"), "--url", db_url)
+    assert rc == 1 and "FILE.html" in err
+    rc, out, _ = run_cli(capsys, "report", "q", "--out", str(tmp_path / "t.svg"), "--url", db_url)
+    assert rc == 0 and "1 worker lane(s), 5 deliveries, 0 re-deliveries" in out
+    assert (tmp_path / "t.svg").read_text().startswith("<svg")
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "matplotlib", None)  # as if not installed
+        rc, _, err = run_cli(capsys, "report", "q", "--out", str(tmp_path / "t.png"), "--url", db_url)
+        assert rc == 1 and "pip install 'wq_sql[plot]'" in err and len(err.splitlines()) == 1
+    pytest.importorskip("matplotlib", reason="the PNG report needs the [plot] extra (matplotlib)")
+    rc, out, err = run_cli(capsys, "report", "q", "--out", str(tmp_path / "t.png"), "--url", db_url)
+    assert rc == 0, err
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_pairs_each_delivery_with_what_ended_it() -> None:
+    import datetime as dt
+
+    from wq_sql.report import Event, pair_deliveries
+
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    kinds = [(1, "claim", "a"), (2, "claim", "b"), (1, "recover", "a"), (2, "expire", "b"), (2, "claim", "c"),
+             (1, "done", "a"), (3, "claim", "a"), (2, "release", "c"), (2, "claim", "a")]
+    events = [Event(k, item, 0, item, kind, who, t0 + dt.timedelta(seconds=k), None)
+              for k, (item, kind, who) in enumerate(kinds)]
+    bars = [(b.item_id, b.worker, b.end_kind, b.redelivery) for b in pair_deliveries(events)]
+    assert bars == [(1, "a", "recover", False), (2, "b", "expire", False), (1, "a", "done", True),
+                    (2, "c", "release", True), (3, "a", None, False), (2, "a", None, True)]
+
+
+def test_migrate_alias_and_busy_sqlite_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sqlite3
+
+    from wq_sql.cli import _describe
+
+    url = f"sqlite:///{tmp_path / 'wq.db'}"
+    rc, out, _ = run_cli(capsys, "migrate", "--url", url)
+    assert rc == 0 and "upgraded from an empty database" in out
+    busy = sa.exc.OperationalError("UPDATE wq_items ...", {}, sqlite3.OperationalError("database is locked"))
+    line = _describe(busy)
+    assert "stayed locked" in line and "retry" in line and "\n" not in line

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.engine import URL
 
 from wq_sql import migrate, ops
-from wq_sql.engine import make_engine, resolve_url
-from wq_sql.errors import QueueNotFound
+from wq_sql.engine import Backend, make_engine, resolve_url
+from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
+from wq_sql.plan import (
+    QueueSpec,
+    Work,
+    check_num_epochs,
+    check_num_slices,
+    check_seed,
+    new_seed,
+    normalize_works,
+    slice_works,
+)
 
 
 def _engine(url: Optional[str | URL], schema: Optional[str]) -> Any:
@@ -30,6 +41,45 @@ def current(url: Optional[str | URL] = None, schema: Optional[str] = None) -> Op
     try:
         with engine.connect() as conn:
             return migrate.current_revision(conn, schema)
+    finally:
+        engine.dispose()
+
+
+def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = True,
+                 seed: Optional[int] = None, prefix: Optional[str] = None,
+                 num_slices: Optional[int] = None, name: str = "work_queue", *,
+                 url: Optional[str | URL] = None, max_attempts: int = 3,
+                 schema: Optional[str] = None) -> tuple[bool, Any]:
+    """Create a queue ahead of the job, without joining it as a worker; the arguments and their
+    validation are ``WorkQueue``'s. Returns ``(created, queue row)``: ``created`` is False when a
+    queue of that name exists with the same configuration (as a joining worker would accept it);
+    another configuration raises :class:`QueueConfigMismatch`, as ``WorkQueue(...)`` does.
+
+    >>> create_queue(["a.txt", "b.txt"], num_epochs=2, seed=7, name="train", url="sqlite:///q.db")
+    """
+    from wq_sql.queue import _check_name, _check_prefix, _differences  # the facade's own rules
+
+    name = _check_name(name)
+    spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
+                     check_seed(seed), check_num_slices(num_slices), _check_prefix(prefix))
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidInput(f"max_attempts must be a positive int, got {max_attempts!r}")
+    engine = _engine(url, schema)
+    try:
+        migrate.ensure_schema(engine, schema)
+        b = Backend(engine.dialect.name)
+        with engine.begin() as conn:
+            row = ops.find_queue(conn, name)
+            created = False
+            if row is None:
+                qid = ops.create_queue(conn, b, name, spec, slice_works(spec.works, spec.num_slices),
+                                       spec.seed if spec.seed is not None else new_seed(), max_attempts)
+                created = qid is not None
+                row = ops.find_queue(conn, name)
+            diffs = _differences(row, spec)
+            if diffs:
+                raise QueueConfigMismatch(name, diffs)
+            return created, row
     finally:
         engine.dispose()
 

@@ -2,27 +2,49 @@
 
 ::
 
-    wq-sql upgrade [--sql]      create or upgrade the schema (--sql: print the DDL for a DBA)
+    wq-sql upgrade [--sql]      create or upgrade the schema (--sql: print the DDL for a DBA); alias migrate
     wq-sql current              the schema revision of the database
+    wq-sql create NAME (--works WORK|GLOB... | --works-from FILE) [--epochs N] [--shuffle/--no-shuffle]
+                  [--seed S] [--prefix P] [--num-slices K] [--max-attempts M]
+                                create a queue ahead of the job (WorkQueue's rules and mismatch errors)
     wq-sql ls                   queues, their configuration and progress
-    wq-sql status NAME          one queue: items per epoch and state, live workers
+    wq-sql status NAME [--watch [--interval S]]
+                                one queue: items per epoch and state, live workers, throughput, ETA
+    wq-sql audit NAME [--format table|csv|json]
+                                who consumed what, re-deliveries, failures; exit 2 unless every done
+                                item was done exactly once
+    wq-sql requeue NAME (--failed | --expired | --worker W | --done) [--epoch E]
+                                put items back to pending, in one transaction
+    wq-sql report NAME --out FILE.html|FILE.svg|FILE.png
+                                a timeline: one lane per worker, one bar per delivery
     wq-sql reset NAME --yes     start a queue over at epoch 0 (its history is deleted)
     wq-sql drop NAME --yes      delete a queue and everything it holds
 
+``--works`` takes works as arguments: one with ``* ? [`` is a glob of local files, expanded in
+sorted order (``sorted(glob.glob(p))`` in a worker gives the same list); anything else is one work
+as given (``hdfs://...``, a table name). ``--works-from FILE`` reads one work per line instead.
+
 Every command takes ``--url`` (default ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db``) and
 ``--schema``. An error prints one line that names the fix and exits 1 (``--debug``: the
-traceback). Passwords never appear in the output.
+traceback); ``audit`` exits 2 when its exactly-once check fails. Passwords never appear in the
+output.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime as dt
+import glob
+import json
 import os
+import shutil
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from alembic import command
 from alembic.util import CommandError
@@ -30,14 +52,17 @@ from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from wq_sql import admin, migrate, ops
+from wq_sql import admin, migrate, ops, report
 from wq_sql.engine import Backend, make_engine, resolve_url, safe_url
 from wq_sql.errors import QueueNotFound, SchemaOutdated, WqSqlError
-from wq_sql.states import CLAIMED
+from wq_sql.states import CLAIMED, DONE, FAILED
 
+T = TypeVar("T")
 PROG = "wq-sql"
 # Operators' commands should fail fast on an unreachable host; libpq reads this variable.
 PG_CONNECT_TIMEOUT = "10"
+# wq-sql audit exits with this when the exactly-once check fails (1: the command itself failed).
+AUDIT_FAILED = 2
 # status collapses finished epochs into one line beyond this many epoch rows.
 MAX_EPOCH_ROWS = 12
 
@@ -229,23 +254,135 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _snapshot(engine: Engine, fn: Callable[[Connection], T]) -> T:
+    """Run ``fn`` in one read-only transaction that sees one snapshot (Postgres: REPEATABLE READ;
+    SQLite: a read transaction in WAL mode is a snapshot already)."""
+    conn_opts: dict[str, Any] = {"wq_read": True}
+    if engine.dialect.name == "postgresql":
+        conn_opts["isolation_level"] = "REPEATABLE READ"
+    with engine.connect().execution_options(**conn_opts) as conn, conn.begin():
+        return fn(conn)
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    url = _url(args)
+    works = _read_works(args)
+    engine, _ = _engine(args, must_exist=False)  # a clear line if the database is unreachable
+    engine.dispose()
+    created, q = admin.create_queue(
+        works, num_epochs=args.epochs, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
+        num_slices=args.num_slices, name=args.name, url=url, max_attempts=args.max_attempts,
+        schema=args.schema)
+    how = (f"shuffled with seed {q.seed} (workers may pass seed={q.seed} or seed=None)" if q.shuffle
+           else "in order")
+    if created:
+        print(f"created queue {q.name!r} in {_label(url, args.schema)}: {q.n_works} items per epoch, "
+              f"{q.num_epochs} epoch(s), {how}, max {q.max_attempts} attempts")
+    else:
+        print(f"queue {q.name!r} already exists with this configuration ({q.n_works} items per epoch, "
+              f"{q.num_epochs} epoch(s), {how}); nothing to do")
+    return 0
+
+
+GLOB_CHARS = set("*?[")
+
+
+def _read_works(args: argparse.Namespace) -> list[str]:
+    """The works, in order: ``--works-from`` lines, else ``--works`` arguments with globs expanded
+    (sorted, so that a worker computing ``sorted(glob.glob(...))`` gives the same list)."""
+    if args.works_from is not None:
+        src = args.works_from
+        try:
+            text = sys.stdin.read() if src == "-" else Path(src).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"cannot read --works-from {src!r}: {e.strerror or e}") from e
+        works = [ln.strip() for ln in text.splitlines()]
+        works = [w for w in works if w and not w.startswith("#")]
+        if not works:
+            raise CliError(f"--works-from {src!r} lists no works (one per line; # starts a comment)")
+        return works
+    works = []
+    for arg in args.works:
+        if GLOB_CHARS & set(arg):
+            found = sorted(glob.glob(arg, recursive=True))
+            if not found:
+                raise CliError(f"--works {arg!r} matches no file (relative to {os.getcwd()}); quote the "
+                               "pattern so that the shell does not expand it")
+            works += found
+        else:
+            works.append(arg)
+    return works
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
     url = _url(args)
     engine, rev = _engine(args, must_exist=True)
     try:
         _require_head(url, args.schema, rev)
-        conn_opts: dict[str, Any] = {"wq_read": True}
-        if engine.dialect.name == "postgresql":
-            conn_opts["isolation_level"] = "REPEATABLE READ"  # one snapshot for every count below
-        with engine.connect().execution_options(**conn_opts) as conn, conn.begin():
-            lines = _status(conn, Backend(engine.dialect.name), url, args.schema, args.name)
+        b = Backend(engine.dialect.name)
+
+        def frame() -> tuple[list[str], StatusSummary]:
+            return _snapshot(engine, lambda conn: _status(conn, b, url, args.schema, args.name))
+
+        if not args.watch:
+            print("\n".join(frame()[0]))
+            return 0
+        return _watch(frame, args.interval)
     finally:
         engine.dispose()
-    print("\n".join(lines))
-    return 0
 
 
-def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str], name: str) -> list[str]:
+@dataclass(frozen=True)
+class StatusSummary:
+    finished: int  # done + failed
+    total: int
+    rate: Optional[float]  # items done per second, recently
+
+    @property
+    def complete(self) -> bool:
+        return self.finished >= self.total
+
+
+def _watch(frame: Callable[[], tuple[list[str], StatusSummary]], interval: float) -> int:
+    """Redraw until the queue is finished. On a terminal the screen is cleared between frames;
+    otherwise (a pipe, a log) frames are separated by a blank line."""
+    tty = sys.stdout.isatty()
+    cells = max(10, min(50, shutil.get_terminal_size((100, 24)).columns - 60)) if tty else 40
+    while True:
+        lines, summary = frame()
+        bar = _progress_bar(summary, cells)
+        text = "\n".join([bar, ""] + lines)
+        if tty:
+            sys.stdout.write("\033[H\033[2J" + text + "\n")
+        else:
+            sys.stdout.write(text + "\n\n")
+        sys.stdout.flush()
+        if summary.complete:
+            return 0
+        time.sleep(interval)
+
+
+def _progress_bar(s: StatusSummary, cells: int) -> str:
+    """``[#########.........]  45.2%  120/266  12.3 items/s  ETA 0:00:12``"""
+    frac = s.finished / s.total if s.total else 1.0
+    fill = int(frac * cells)  # full only when finished
+    return ("[" + "#" * fill + "." * (cells - fill) + "]"
+            + f" {100 * frac:5.1f}%  {s.finished}/{s.total}  " + _rate_eta(s))
+
+
+def _rate_eta(s: StatusSummary) -> str:
+    if s.complete:
+        return "done"
+    if not s.rate:
+        return "rate: - (no item done in the last minute)  ETA -"
+    eta = dt.timedelta(seconds=round((s.total - s.finished) / s.rate))
+    return f"{s.rate:.1f} items/s  ETA {eta}"
+
+
+def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
+            name: str) -> tuple[list[str], StatusSummary]:
     q = _find_queue(conn, url, name)
     t, i, w = ops.tallies, ops.items, ops.workers
     # done and failed come from the counters; claimed rows are few and indexed (partial index).
@@ -308,7 +445,11 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str], name:
     total = n * q.num_epochs
     pct = 100.0 * (totals[2] + totals[3]) / total if total else 100.0
     state = "finished" if totals[2] + totals[3] >= total else "in progress"
-    out += [f"{state}: {totals[2] + totals[3]} of {total} items done or failed ({pct:.1f}%)", ""]
+    out.append(f"{state}: {totals[2] + totals[3]} of {total} items done or failed ({pct:.1f}%)")
+    summary = StatusSummary(totals[2] + totals[3], total, report.done_rate(conn, q.id, now))
+    if not summary.complete:
+        out.append(f"throughput (last minute): {_rate_eta(summary)}")
+    out.append("")
 
     live = [r for r in workers if r.heartbeat_at is not None]
     left = len(workers) - len(live)
@@ -325,7 +466,188 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str], name:
     if orphans:
         out.append(f"{orphans} claimed item(s) belong to workers that are not heartbeating; they return "
                    "to the queue when their lease expires")
+    return out, summary
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    url = _url(args)
+    engine, rev = _engine(args, must_exist=True)
+    try:
+        _require_head(url, args.schema, rev)
+        a = _snapshot(engine, lambda conn: report.audit(conn, _find_queue(conn, url, args.name)))
+    finally:
+        engine.dispose()
+    if args.format == "json":
+        print(json.dumps(a.as_dict(), indent=2))
+    elif args.format == "csv":
+        _audit_csv(a)
+    else:
+        print("\n".join(_audit_table(a)))
+    if not a.ok:
+        print(f"{PROG}: audit of {a.queue!r} FAILED the exactly-once check: "
+              + "; ".join(_violation(v) for v in a.violations[:5])
+              + (f" and {len(a.violations) - 5} more" if len(a.violations) > 5 else "")
+              + ("; " if a.violations and a.counter_mismatches else "")
+              + "; ".join(f"epoch {m['epoch']}: counters say {m['counted_done']} done, "
+                          f"{m['counted_failed']} failed, rows say {m['rows_done']}, {m['rows_failed']}"
+                          for m in a.counter_mismatches), file=sys.stderr)
+        return AUDIT_FAILED
+    return 0
+
+
+def _violation(v: dict[str, Any]) -> str:
+    what = f"epoch {v['epoch']} seq {v['seq']}" + (f" ({v['work']})" if v["work"] is not None else "")
+    state = f"is {v['state']}" if v["state"] else "has no item row"
+    return f"{what} {state} with {v['done_events']} done event(s)"
+
+
+def _audit_table(a: report.Audit) -> list[str]:
+    out = [f"audit of queue {a.queue!r}: {a.items_per_epoch} items per epoch, "
+           f"{a.epochs_created} of {a.num_epochs} epoch(s) created", "", "consumed per worker and epoch:"]
+    if a.consumed:
+        out += _table(["WORKER", "EPOCH", "DONE", "FAILED"],
+                      [[c["worker"], c["epoch"], c["done"], c["failed"]] for c in a.consumed],
+                      [False, True, True, True])
+    else:
+        out.append("  nothing consumed yet")
+    out += ["", f"re-delivered items: {len(a.redeliveries)}"]
+    if a.redeliveries:
+        out += _table(["EPOCH", "SEQ", "WORK", "DELIVERIES", "HISTORY"],
+                      [[r["epoch"], r["seq"], r["work"], r["deliveries"], report.history_line(r["events"])]
+                       for r in a.redeliveries], [True, True, False, True, False])
+    out += ["", f"failed items: {len(a.failed)}"]
+    if a.failed:
+        out += _table(["EPOCH", "SEQ", "WORK", "WORKER", "ATTEMPTS", "LAST ERROR"],
+                      [[f["epoch"], f["seq"], f["work"], f["worker"], f["attempts"],
+                        _first_line(f["last_error"] or "-")] for f in a.failed],
+                      [True, True, False, False, True, False])
+    out.append("")
+    if a.ok:
+        out.append("exactly-once: OK, every done item has exactly one done event"
+                   + (" and the counters agree with the rows" if a.epochs_created else ""))
+    else:
+        out.append(f"exactly-once: FAILED, {len(a.violations)} item(s) with a wrong number of done events, "
+                   f"{len(a.counter_mismatches)} epoch(s) whose counters disagree with the rows")
+        if a.violations:
+            out += _table(["EPOCH", "SEQ", "WORK", "STATE", "DONE EVENTS"],
+                          [[v["epoch"], v["seq"], v["work"], v["state"], v["done_events"]]
+                           for v in a.violations], [True, True, False, False, True])
+    if a.unchecked_epochs:
+        out.append(f"(epochs {_ranges(a.unchecked_epochs)} were compacted: their done items are checked "
+                   "only through the events kept)")
     return out
+
+
+def _ranges(nums: Sequence[int]) -> str:
+    parts: list[str] = []
+    for n in sorted(nums):
+        if parts and parts[-1].split("-")[-1] == str(n - 1):
+            parts[-1] = parts[-1].split("-")[0] + f"-{n}"
+        else:
+            parts.append(str(n))
+    return ", ".join(parts)
+
+
+AUDIT_CSV = ["section", "worker", "epoch", "seq", "work", "done", "failed", "deliveries", "history",
+             "attempts", "last_error", "state", "done_events"]
+
+
+def _audit_csv(a: report.Audit) -> None:
+    """One long table: ``section`` says which part of the audit a row belongs to."""
+    w = csv.DictWriter(sys.stdout, AUDIT_CSV, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for c in a.consumed:
+        w.writerow({"section": "consumed", **c})
+    for r in a.redeliveries:
+        w.writerow({"section": "redelivered", **r, "worker": r["holders"][-1],
+                    "history": report.history_line(r["events"])})
+    for f in a.failed:
+        w.writerow({"section": "failed", **f})
+    for v in a.violations:
+        w.writerow({"section": "violation", **v})
+    w.writerow({"section": "exactly_once", "state": "ok" if a.ok else "failed"})
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    url = _url(args)
+    engine, rev = _engine(args, must_exist=True)
+    b = Backend(engine.dialect.name)
+    if args.failed:
+        from_state, what = FAILED, "failed"
+    elif args.done:
+        from_state, what = DONE, "done"
+    elif args.expired:
+        from_state, what = CLAIMED, "claimed with an expired lease"
+    else:
+        from_state, what = CLAIMED, f"held by worker {args.worker!r}"
+    warning = None
+
+    def run(conn: Connection) -> list[Any]:
+        nonlocal warning
+        q = _find_queue(conn, url, args.name)
+        wid = None
+        if args.worker is not None:
+            w = ops.find_worker(conn, q.id, args.worker, lock=False)
+            if w is None:
+                raise CliError(f"queue {args.name!r} has no worker named {args.worker!r}; "
+                               f"`python -m wq_sql status {args.name}` lists them")
+            wid = w.id
+            if w.heartbeat_at is not None and (_db_now(conn, b) - w.heartbeat_at).total_seconds() < 30:
+                warning = (f"warning: worker {args.worker!r} heartbeated "
+                           f"{_ago(_db_now(conn, b), w.heartbeat_at)}; if it is alive, its acks of "
+                           "these items are rejected (LeaseLost) and another worker does them again")
+        return ops.requeue(conn, b, q.id, from_state, epoch=args.epoch, worker_id=wid,
+                           lease_expired=args.expired, detail=f"wq-sql requeue: was {what}")
+
+    try:
+        _require_head(url, args.schema, rev)
+        with engine.begin() as conn:
+            rows = run(conn)
+    finally:
+        engine.dispose()
+    if warning:
+        print(warning, file=sys.stderr)
+    per_epoch: dict[int, int] = {}
+    for r in rows:
+        per_epoch[r.epoch] = per_epoch.get(r.epoch, 0) + 1
+    scope = f" of epoch {args.epoch}" if args.epoch is not None else ""
+    detail = ", ".join(f"epoch {e}: {k}" for e, k in sorted(per_epoch.items()))
+    print(f"requeued {len(rows)} item(s){scope} of queue {args.name!r} that were {what}"
+          + (f" ({detail})" if len(per_epoch) > 1 else "") + "; they are pending again")
+    return 0
+
+
+PLOT_EXTRA = "pip install 'wq_sql[plot]'"
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    kind = out.suffix.lower()
+    if kind not in (".html", ".htm", ".svg", ".png"):
+        raise CliError(f"--out {args.out!r}: write FILE.html (inline SVG), FILE.svg or FILE.png")
+    if kind == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CliError(f"a PNG report needs matplotlib: {PLOT_EXTRA} (or write --out FILE.html, "
+                           "which needs nothing)") from None
+    if not out.parent.is_dir():
+        raise CliError(f"the folder of --out {args.out!r} does not exist")
+    url = _url(args)
+    engine, rev = _engine(args, must_exist=True)
+    try:
+        _require_head(url, args.schema, rev)
+        t = _snapshot(engine, lambda conn: report.timeline(conn, _find_queue(conn, url, args.name)))
+    finally:
+        engine.dispose()
+    if kind == ".png":
+        report.render_png(t, str(out))
+    else:
+        out.write_text(report.render_svg(t) + "\n" if kind == ".svg" else report.render_html(t),
+                       encoding="utf-8")
+    print(f"wrote {out}: {len(t.workers)} worker lane(s), {len(t.bars)} deliveries, "
+          f"{t.redeliveries} re-deliveries, {(t.t1 - t.t0).total_seconds():.1f} s")
+    return 0
 
 
 def cmd_reset(args: argparse.Namespace) -> int:
@@ -385,17 +707,56 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Operate wq_sql job tables: schema, queues, progress.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, parents=[common], help=help, description=help)
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str,
+            aliases: Sequence[str] = ()) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], help=help, description=help, aliases=list(aliases))
         sp.set_defaults(func=fn)
         return sp
 
-    up = add("upgrade", cmd_upgrade, "create or upgrade the wq_sql schema")
+    up = add("upgrade", cmd_upgrade, "create or upgrade the wq_sql schema (alias: migrate)", ["migrate"])
     up.add_argument("--sql", action="store_true", help="print the DDL instead of running it (offline)")
     add("current", cmd_current, "show the schema revision of the database")
     add("ls", cmd_ls, "list queues with their configuration and progress")
+    cr = add("create", cmd_create, "create a queue ahead of the job (the rules and checks of WorkQueue(...))")
+    cr.add_argument("name", metavar="NAME")
+    src = cr.add_mutually_exclusive_group(required=True)
+    src.add_argument("--works", nargs="+", metavar="WORK",
+                     help="works, in order; an argument with * ? [ is a glob of local files, expanded "
+                          "in sorted order (quote it); anything else is a work as given, e.g. hdfs://...")
+    src.add_argument("--works-from", metavar="FILE",
+                     help="a text file listing one work per line (- for stdin; # starts a comment)")
+    cr.add_argument("--epochs", type=int, default=1, help="num_epochs (default 1)")
+    cr.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                    help="shuffle each epoch (default: yes)")
+    cr.add_argument("--seed", type=int, help="shuffle seed (default: a random one, printed)")
+    cr.add_argument("--prefix", help="prepended to each work when it is handed out")
+    cr.add_argument("--num-slices", type=int, help="num_slices, as in DeepRec")
+    cr.add_argument("--max-attempts", type=int, default=3, help="failed deliveries before an item is "
+                    "failed (default 3)")
     st = add("status", cmd_status, "items per epoch and state, and the live workers of a queue")
     st.add_argument("name", metavar="NAME")
+    st.add_argument("--watch", action="store_true", help="redraw with a progress bar until the queue is done")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
+    au = add("audit", cmd_audit, "who consumed what, re-deliveries, failures, and the exactly-once check "
+             f"(exit {AUDIT_FAILED} if it fails)")
+    au.add_argument("name", metavar="NAME")
+    au.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    rq = add("requeue", cmd_requeue, "put items back to pending in one transaction, reporting how many")
+    rq.add_argument("name", metavar="NAME")
+    which = rq.add_mutually_exclusive_group(required=True)
+    which.add_argument("--failed", action="store_true",
+                       help="failed items (their attempts start again at 0)")
+    which.add_argument("--expired", action="store_true",
+                       help="claimed items whose lease has expired (no attempt counted)")
+    which.add_argument("--worker", metavar="W",
+                       help="claimed items held by worker W, e.g. one you killed (no attempt counted)")
+    which.add_argument("--done", action="store_true", help="done items, to consume them again")
+    rq.add_argument("--epoch", type=int, metavar="E", help="only items of epoch E")
+    rp = add("report", cmd_report, "a timeline picture: one lane per worker, one bar per delivery, "
+             "colored by epoch, re-deliveries marked")
+    rp.add_argument("name", metavar="NAME")
+    rp.add_argument("--out", required=True, metavar="FILE",
+                    help=f"FILE.html (self-contained, inline SVG), FILE.svg, or FILE.png ({PLOT_EXTRA})")
     rs = add("reset", cmd_reset, "start a queue over at epoch 0 (deletes its progress and history)")
     rs.add_argument("name", metavar="NAME")
     rs.add_argument("--yes", action="store_true", help="do not ask for confirmation")
@@ -444,6 +805,9 @@ def _describe(e: Exception) -> str:
     if isinstance(e, CommandError):
         return (f"{e}; the database may have been migrated by a newer wq_sql: upgrade wq_sql "
                 "(or run with --debug)")
+    if isinstance(e, DBAPIError) and "database is locked" in str(e.orig):
+        return ("the SQLite database stayed locked by other writers past its busy timeout (30 s); "
+                "retry, or stop some workers first")
     if isinstance(e, DBAPIError):
         return f"database error: {_first_line(e.orig)} (run with --debug for details)"
     if isinstance(e, SQLAlchemyError):
