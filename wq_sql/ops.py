@@ -22,11 +22,13 @@ row (the second one waits, then sees the first one's committed update).
 from __future__ import annotations
 
 import secrets
+import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
 from sqlalchemy import Connection, Table, case, func, insert, select, tuple_, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Select
 
 from wq_sql.engine import Backend
@@ -41,6 +43,7 @@ from wq_sql.states import (
     EV_FAIL,
     EV_RECOVER,
     EV_RELEASE,
+    EV_REQUEUE,
     FAILED,
     PENDING,
 )
@@ -189,16 +192,30 @@ class ClaimRound:
     counters and work strings. Built once per queue object as driver-level SQL.
 
     Postgres runs it as ONE statement (data-modifying CTEs; the claim CTE is the one described in
-    the module docstring). SQLite runs the same steps as separate statements inside the
-    ``BEGIN IMMEDIATE`` transaction: statements are in-process calls there, not network trips."""
+    the module docstring, starting at a floor: see ``_floor``; rarely a second one, without
+    acks). SQLite runs the same steps as separate statements inside the ``BEGIN IMMEDIATE``
+    transaction: statements are in-process calls there, not network trips."""
+
+    FULL_SCAN_EVERY = 64  # rounds; see _floor
 
     def __init__(self, b: Backend, n: int, lease_seconds: float, schema: Optional[str] = None) -> None:
         self.b, self.n, self.lease = b, n, float(lease_seconds)
+        # Postgres: the lowest (epoch, seq) this worker claimed last round. Claimed and done rows
+        # leave dead entries in the pending index until VACUUM, all at its low end (claims go in
+        # order), and a scan from the start steps over every one of them: at 90% of a 300k drain,
+        # a thousand index pages per claim. So the claim starts at the floor (one index descent),
+        # and looks from the start when that finds too few rows and every FULL_SCAN_EVERY rounds,
+        # which is how items that went back to the queue below the floor are found.
+        self._floor: Optional[tuple[int, int]] = None
+        self._rounds = 0
         p = f'"{schema}".' if schema else ""
         if b.is_sqlite:
+            # Completed as one statement per round: (id, token) pairs as a VALUES list.
             self._ack = (
                 f"UPDATE wq_items SET state = '{DONE}', done_at = {_NOW_SQLITE}, lease_until = NULL "
-                f"WHERE id = ? AND token = ? AND state = '{CLAIMED}' RETURNING id, epoch, seq, token")
+                "FROM (VALUES {pairs}) AS a WHERE wq_items.id = a.column1 AND wq_items.token = a.column2 "
+                f"AND wq_items.state = '{CLAIMED}' RETURNING id, epoch, seq, token")
+            self._works = "SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN ({idxs})"
             self._event = (
                 "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at) "
                 f"VALUES (?, ?, ?, ?, ?, ?, ?, {_NOW_SQLITE})")
@@ -228,8 +245,8 @@ WITH acked AS (
     ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = t.n_done + excluded.n_done
 ), c AS MATERIALIZED (
     SELECT id FROM {p}wq_items
-    WHERE queue_id = %(q)s AND state = '{PENDING}'
-    ORDER BY epoch, seq LIMIT {int(n)}
+    WHERE queue_id = %(q)s AND state = '{PENDING}' AND (epoch, seq) >= (%(fe)s, %(fs)s)
+    ORDER BY epoch, seq LIMIT %(lim)s
     FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE {p}wq_items i SET state = '{CLAIMED}', worker_id = %(w)s, token = %(t)s,
@@ -253,32 +270,69 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
         token = new_token()
         if self.b.is_sqlite:
             return self._run_sqlite(conn, qid, worker_id, acks, token)
-        rows = conn.exec_driver_sql(self._sql, {
-            "q": qid, "w": worker_id, "t": token, "lease": self.lease,
-            "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}).all()
+        params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease,
+                  "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
+        self._rounds += 1
+        floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
+        fe, fs = floor or (-1, -1)
+        rows = conn.exec_driver_sql(self._sql, {**params, "fe": fe, "fs": fs, "lim": self.n}).all()
         accepted = {r.id for r in rows if r.k == "a"}
         got = [r for r in rows if r.k == "c"]
+        if floor is not None and len(got) < self.n:
+            # Items below the floor may be pending again (released, expired, a claimer that
+            # rolled back): look from the start, in the same transaction, before saying "none".
+            rows = conn.exec_driver_sql(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
+                                                    "fe": -1, "fs": -1, "lim": self.n - len(got)}).all()
+            got += [r for r in rows if r.k == "c"]
+        self._floor = min(((r.epoch, r.seq) for r in got), default=None)
         claimed = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in got),
                          key=lambda c: (c.epoch, c.seq))
         return accepted, claimed, {r.work_idx: r.work for r in got}
 
     def _run_sqlite(self, conn: Connection, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
                     token: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
-        done = [r for a in acks for r in conn.exec_driver_sql(self._ack, a).all()]
-        per_epoch: dict[int, int] = {}
-        for r in done:
-            per_epoch[r.epoch] = per_epoch.get(r.epoch, 0) + 1
-        for epoch, k in per_epoch.items():
-            conn.exec_driver_sql(self._tally, (qid, epoch, worker_id, k))
-        rows = conn.exec_driver_sql(self._claim, (qid, worker_id, token, f"+{self.lease!r} seconds")).all()
-        evs = [(qid, r.id, r.epoch, r.seq, EV_DONE, worker_id, r.token) for r in done]
-        evs += [(qid, r.id, r.epoch, r.seq, EV_CLAIM, worker_id, token) for r in rows]
-        if evs:
-            conn.exec_driver_sql(self._event, evs)
-        claimed = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in rows),
+        params: tuple[Any, ...]
+        # The driver's own cursor, inside the transaction SQLAlchemy began (BEGIN IMMEDIATE) and
+        # will commit: per statement, SQLAlchemy's result machinery costs several times SQLite's
+        # own work here (bench/claim_throughput.py). Errors are re-raised as SQLAlchemy's, so the
+        # caller's retry of "database is locked" applies unchanged.
+        cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        sql, params = "", ()  # for the error message
+        try:
+            done: list[Any] = []
+            for k in range(0, len(acks), _SQLITE_ACK_CHUNK):
+                chunk = acks[k:k + _SQLITE_ACK_CHUNK]
+                sql = self._ack.format(pairs=", ".join(["(?, ?)"] * len(chunk)))
+                params = tuple(x for a in chunk for x in a)
+                done += cur.execute(sql, params).fetchall()  # (id, epoch, seq, token)
+            per_epoch: dict[int, int] = {}
+            for r in done:
+                per_epoch[r[1]] = per_epoch.get(r[1], 0) + 1
+            sql = self._tally
+            for epoch, k in per_epoch.items():
+                cur.execute(sql, (qid, epoch, worker_id, k))
+            sql, params = self._claim, (qid, worker_id, token, f"+{self.lease!r} seconds")
+            rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts)
+            evs = [(qid, r[0], r[1], r[2], EV_DONE, worker_id, r[3]) for r in done]
+            evs += [(qid, r[0], r[1], r[2], EV_CLAIM, worker_id, token) for r in rows]
+            sql, params = self._event, ()
+            if evs:
+                cur.executemany(sql, evs)
+            works: dict[int, str] = {}
+            if rows:
+                idxs = sorted({r[3] for r in rows})
+                sql, params = self._works.format(idxs=", ".join(["?"] * len(idxs))), (qid, *idxs)
+                works = dict(cur.execute(sql, params).fetchall())
+        except sqlite3.Error as e:
+            raise DBAPIError.instance(sql, params, e, sqlite3.Error) from e
+        finally:
+            cur.close()
+        claimed = sorted((Claimed(r[0], r[1], r[2], r[3], token, r[4]) for r in rows),
                          key=lambda c: (c.epoch, c.seq))
-        works = works_by_idx(conn, qid, [c.work_idx for c in claimed]) if claimed else {}
-        return {r.id for r in done}, claimed, works
+        return {r[0] for r in done}, claimed, works
+
+
+_SQLITE_ACK_CHUNK = 10_000  # 2 parameters each; SQLite allows 32766 per statement
 
 
 def _fenced(pairs: Sequence[tuple[int, int]]) -> Any:
@@ -491,3 +545,68 @@ def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool
         conn.execute(delete(events).where(events.c.queue_id == qid, events.c.epoch.in_(list(epochs)),
                                           events.c.item_id.not_in(failed_ids)))
     return conn.execute(delete(items).where(*in_epochs, items.c.state == DONE)).rowcount
+
+
+# ---------------------------------------------------------------- operator actions
+
+
+def requeue(conn: Connection, b: Backend, qid: int, from_state: str, *, epoch: Optional[int] = None,
+            worker_id: Optional[int] = None, lease_expired: bool = False,
+            detail: Optional[str] = None) -> list[Any]:
+    """Put items of ``from_state`` (``done``, ``failed`` or ``claimed``) back to ``pending``,
+    optionally only those of ``epoch``, held last by ``worker_id``, or (claimed) whose lease ran
+    out. Writes a ``requeue`` event per item and, for ``done``/``failed`` items, takes them off the
+    ``wq_tallies`` counters of the (epoch, worker) that counted them, so progress and
+    ``QueueExhausted`` stay exact. Returns the rows moved (``id, epoch, seq, worker_id``).
+
+    ``attempts`` restart at 0 for failed items (the operator grants new attempts) and are kept
+    otherwise; no attempt is counted. The token is cleared, so a holder of a requeued claimed item
+    is fenced off: its ack is rejected (``LeaseLost``)."""
+    if from_state not in (DONE, FAILED, CLAIMED):
+        raise ValueError(f"cannot requeue items in state {from_state!r}")
+    cond = [items.c.queue_id == qid, items.c.state == from_state]
+    if epoch is not None:
+        cond.append(items.c.epoch == epoch)
+    if worker_id is not None:
+        cond.append(items.c.worker_id == worker_id)
+    if lease_expired:
+        cond.append(items.c.lease_until < b.now())
+    # A MATERIALIZED CTE locks the rows first (Postgres re-checks the state of a row a concurrent
+    # ack changed meanwhile); on SQLite the caller's BEGIN IMMEDIATE serialises writers.
+    locked = select(items.c.id).where(*cond).with_for_update().cte("r").prefix_with("MATERIALIZED")
+    values: dict[str, Any] = {"state": PENDING, "token": None, "lease_until": None, "done_at": None}
+    if from_state == FAILED:
+        values.update(attempts=0, last_error=None)
+    rows = conn.execute(
+        update(items).where(items.c.id == locked.c.id, items.c.state == from_state).values(**values)
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id)).all()
+    _log(conn, b, qid, EV_REQUEUE, rows, detail=detail or f"operator requeued a {from_state} item")
+    if from_state in (DONE, FAILED):
+        _untally(conn, qid, rows, "n_done" if from_state == DONE else "n_failed")
+    return list(rows)
+
+
+def _untally(conn: Connection, qid: int, rows: Iterable[Any], column: str) -> None:
+    """Take rows off the counters that counted them: (epoch, the item's worker), the key every
+    ack, fail and expiry tallies under. An item whose worker row is gone (``worker_id`` NULL)
+    comes off another counter of its epoch, so the per-epoch sums stay exact."""
+    col = getattr(tallies.c, column)
+    counts: dict[tuple[int, Optional[int]], int] = {}
+    for r in rows:
+        counts[(r.epoch, r.worker_id)] = counts.get((r.epoch, r.worker_id), 0) + 1
+    for (epoch, wid), k in counts.items():
+        where = [tallies.c.queue_id == qid, tallies.c.epoch == epoch]
+        if wid is not None:
+            left = k - conn.execute(update(tallies).where(*where, tallies.c.worker_id == wid, col >= k)
+                                    .values({column: col - k})).rowcount
+        else:
+            left = k
+        while left > 0:
+            row = conn.execute(select(tallies.c.worker_id, col).where(*where, col > 0)
+                               .order_by(col.desc()).limit(1)).one_or_none()
+            if row is None:
+                break
+            take = min(left, int(row[1]))
+            conn.execute(update(tallies).where(*where, tallies.c.worker_id == row.worker_id)
+                         .values({column: col - take}))
+            left -= take

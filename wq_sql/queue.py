@@ -174,6 +174,10 @@ class WorkQueue:
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._pid = os.getpid()
+        self._gate = _TxGate()
+        self._filling = False                        # a prefetch() round trip is in flight
+        self._handed = 0                             # items of the last take_many()
+        self._filled = threading.Condition(self._lock)
 
         try:
             self._retrying(lambda: ensure_schema(self._engine, schema))
@@ -205,7 +209,7 @@ class WorkQueue:
     def _tx(self, fn: Callable[[Connection], T], *, read: bool = False) -> T:
         """Run ``fn`` in one transaction (see :meth:`_retrying`)."""
         def once() -> T:
-            with self._engine.connect() as conn:
+            with self._gate, self._engine.connect() as conn:
                 if read:
                     conn.execution_options(wq_read=True)
                 with conn.begin():
@@ -330,6 +334,13 @@ class WorkQueue:
         ``auto_complete=False``). While nothing is claimable but live workers still hold items,
         waits (they may die and their items come back); ``timeout`` bounds that wait, after which
         :class:`QueueEmpty` is raised (``timeout=0``: never wait)."""
+        return self.take_many(1, timeout)[0]
+
+    def take_many(self, n: int, timeout: Optional[float] = None) -> list[WorkItem]:
+        """Like :meth:`take`, but hands out up to ``n`` items at once: what the local buffer holds
+        (never waiting to gather ``n``), or, when it is empty, what the next round trip claims.
+        Taking marks every item handed out before as done (unless ``auto_complete=False``), so
+        the items of one hand-out are done when the next hand-out is taken."""
         self._ensure_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -338,12 +349,16 @@ class WorkQueue:
                 if self.auto_complete:
                     self._acks.update(self._out)
                     self._out.clear()
+                while not self._buffer and self._filling:  # prefetch() is claiming: no 2nd claim
+                    self._filled.wait()
                 if not self._buffer:
                     self._fill()
                 if self._buffer:
-                    item = self._buffer.popleft()
-                    self._out[item.item_id] = item
-                    return item
+                    got = [self._buffer.popleft() for _ in range(min(max(1, n), len(self._buffer)))]
+                    for item in got:
+                        self._out[item.item_id] = item
+                    self._handed = len(got)
+                    return got
             self._wait(deadline)
 
     def _wait(self, deadline: Optional[float]) -> None:
@@ -401,6 +416,51 @@ class WorkQueue:
             return self._fill()
         if done + failed >= self.items_per_epoch * self.num_epochs:
             raise QueueExhausted(self.name, done, failed)
+
+    def prefetch(self, min_claim: int = 1) -> int:
+        """Top the buffer of claimed items up to ``lease_ahead`` in one round trip (which also
+        sends the pending acknowledgements), if at least ``min_claim`` places are free. Unlike
+        ``take()``, the queue's lock is not held during the round trip, so another thread can take
+        buffered items meanwhile: a background thread calling this keeps ``take()`` off the
+        database. One refill at a time (``take()`` on an empty buffer waits for it instead of
+        claiming too), so claimed-but-not-handed-out items stay at most ``lease_ahead``; after a
+        ``take_many()``, its items but one count against ``lease_ahead`` too, so claimed items not
+        yet reached by the consumer stay at most ``lease_ahead``.
+
+        Returns how many items were claimed: 0 when the buffer is full enough, another refill
+        runs, or nothing is claimable now (then ``take()`` makes the next epoch, recovers expired
+        leases, waits or raises ``QueueExhausted``, as without prefetching)."""
+        self._ensure_process()
+        b, qid, wid = self._backend, self._qid, self._worker_id
+        with self._lock:
+            self._check_usable()
+            n = self.lease_ahead - len(self._buffer) - max(0, self._handed - 1)
+            if self._filling or n < max(1, min_claim):
+                return 0
+            acks = list(self._acks.values())
+            for a in acks:  # in flight: complete()/close() must not act on them a second time
+                del self._acks[a.item_id]
+            self._filling = True
+        claim = self._round if n == self.lease_ahead else ops.ClaimRound(b, n, self.lease_seconds,
+                                                                         self.schema)
+        try:
+            accepted, got, works = self._tx(lambda c: claim.run(c, qid, wid, [a.key for a in acks]))
+        except BaseException:
+            with self._lock:
+                self._acks.update((a.item_id, a) for a in acks)
+                self._filling = False
+                self._filled.notify_all()
+            raise
+        with self._lock:  # one critical section: a waiting take() sees the buffer filled
+            try:
+                self._settle_acks(acks, accepted)
+                self._buffer.extend(self._wrap(g, works) for g in got)
+            finally:
+                self._filling = False
+                self._filled.notify_all()
+        if got and max(g.epoch for g in got) + 1 >= self._epochs_created:
+            self._advance_epoch()
+        return len(got)
 
     def _advance_epoch(self) -> bool:
         if self._epochs_created >= self.num_epochs:
@@ -499,6 +559,8 @@ class WorkQueue:
         with self._lock:
             if self._closed:
                 return
+            while self._filling:  # a prefetch() in flight adds its items to the buffer first
+                self._filled.wait()
             self._closed = True
             _live.discard(self)
             self._stop.set()
@@ -557,8 +619,15 @@ class WorkQueue:
         with self._lock:
             if os.getpid() == self._pid:
                 return
-            self._engine.dispose(close=False)
+            # Postgres: never close the parent's sockets. SQLite: close the inherited idle
+            # connections, or the child's new ones share their in-process lock state (copied by
+            # fork) instead of taking real file locks, and the parent's last close deletes the
+            # WAL under the child's feet (its commits are lost). An inherited connection cannot
+            # take the write lock while the parent holds the database open, so closing is safe.
+            self._engine.dispose(close=self._backend.is_sqlite)
             self._pid = os.getpid()
+            self._filling = False
+            self._handed = 0
             self._buffer.clear()
             self._out.clear()
             self._acks.clear()
@@ -568,11 +637,18 @@ class WorkQueue:
 
     # for the heartbeat thread
     def _beat(self) -> None:
-        with self._lock:
+        # close() joins this thread while holding the lock: once it is stopping, stop waiting
+        # for the lock, or close() stalls for the whole join timeout (bench/long_tail.py).
+        while not self._lock.acquire(timeout=0.05):
+            if self._stop.is_set():
+                return
+        try:
             tokens = {i.token for pool in (self._buffer, self._out.values(), self._acks.values())
                       for i in pool}
             if self._closed or os.getpid() != self._pid:
                 return
+        finally:
+            self._lock.release()
         b = self._backend
         ok = self._tx(lambda c: ops.renew(c, b, self._worker_id, self._incarnation, sorted(tokens),
                                           self.lease_seconds, self.max_item_seconds))
@@ -671,3 +747,72 @@ def _close_all() -> None:
             wq.close()
         except Exception as e:  # the database may be gone at exit; leases cover it
             log.warning("closing queue %r at exit failed: %s", wq.name, e)
+
+
+class _TxGate:
+    """Counts the transactions in flight, so that ``fork()`` can wait until there are none and
+    hold new ones back meanwhile."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._shut = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._shut:
+                self._cond.wait()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def shut(self) -> None:
+        with self._cond:
+            self._shut = True
+            while self._active:
+                self._cond.wait()
+
+    def open(self) -> None:
+        with self._cond:
+            self._shut = False
+            self._cond.notify_all()
+
+
+_forking: list[_TxGate] = []
+
+
+def _before_fork() -> None:
+    """SQLite keeps per-process lock state that ``fork()`` copies: a child that inherits an open
+    connection (worse, one inside another thread's write transaction) shares that state instead
+    of taking real file locks, and waits forever or loses its commits. So wait until no thread
+    is inside a SQLite transaction, and close the idle connections: the child inherits none."""
+    for wq in list(_live):
+        if wq._backend.is_sqlite and wq._pid == os.getpid() and not wq._closed:
+            wq._gate.shut()
+            _forking.append(wq._gate)
+            wq._engine.dispose()
+
+
+def _after_fork_in_parent() -> None:
+    while _forking:
+        _forking.pop().open()
+
+
+def _after_fork_in_child() -> None:
+    """Locks that another thread of the parent held at ``fork()`` (say, inside ``take()``) would
+    stay held forever in the child, where that thread does not exist: give every queue fresh
+    ones before the child touches it (``_ensure_process`` then re-registers it)."""
+    _forking.clear()
+    for wq in list(_live):
+        wq._lock = threading.RLock()
+        wq._filled = threading.Condition(wq._lock)
+        wq._stop = threading.Event()
+        wq._gate = _TxGate()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

@@ -21,25 +21,54 @@ a time; a shuffle or prefetch buffer of ``B`` lines spans about ``B / lines_per_
 ``interleave(cycle_length=k)`` keeps ``k`` files open, and its parallel form (or
 ``num_parallel_reads=k``) also opens about ``2 * k`` more ahead; tf.data adds a one-element
 prefetch after a pipeline's last synchronous step (``inject_prefetch``).
+
+Throughput: ``input_dataset`` keeps the core's buffer topped up from a background thread
+(:meth:`wq_sql.WorkQueue.prefetch`, one per queue object, started by the first pull), so that a
+``tf.data`` pull finds items already claimed instead of waiting for a database round trip, and it
+hands them to the pipeline ``k = ceil(lease_ahead / 2)`` at a time
+(:meth:`wq_sql.WorkQueue.take_many`, unbatched inside the dataset), because the Python call
+itself costs about as much as reading a small file. The thread claims once ``k`` places are
+free, so one round trip claims about ``k`` items. Bounds: claimed items the pipeline has not yet
+reached (buffered, plus those of the last hand-out beyond the first) stay at most
+``lease_ahead``; one refill at a time. Consumed: the items of one hand-out are done when the
+next hand-out is taken, which tf.data does only after the pipeline pulled all of them, so an
+item is never done before the pipeline reached it; after a crash, up to ``k - 1`` items that
+were already read may be delivered again (never lost). With ``lease_ahead=1`` (the default)
+nothing changes but the overlap: one item per call and per round trip. For many small files use
+a larger ``lease_ahead`` (``bench/tf_textline.py``; numbers in ``BENCHMARKS.md``).
+
+Synchronous training (``MultiWorkerMirroredStrategy``): workers take different numbers of items,
+so their data ends unevenly, and a worker that stops stepping leaves the others waiting in a
+collective. Iterate the dataset through ``strategy.experimental_distribute_dataset(...)`` (or
+``distribute_datasets_from_function``) in a custom loop: TensorFlow's distributed iterator
+all-reduces at each step whether every worker still has data, so all workers run the same
+number of steps (the last with partial or empty batches) and end together
+(``tests/tf/test_tf_sync.py``). Keras 3's ``model.fit`` did not run under that strategy with two
+workers in the tested TensorFlow 2.21 even on a plain ``tf.data.Dataset`` (a ``ValueError``
+converting ``PerReplica`` values), so it is not covered. No other end-together mechanism is
+provided.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
 import threading
+import weakref
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 
-from wq_sql.errors import QueueEmpty, QueueExhausted
+from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
 from wq_sql.queue import Progress, WorkItem
 from wq_sql.queue import WorkQueue as _CoreQueue
 
 __all__ = ["WorkQueue"]
 
-# Ends input_dataset's stream internally; never handed out (works and prefixes cannot hold NUL).
-_END = b"\x00"
+log = logging.getLogger("wq_sql")
 
 # How long one wait of a graph-mode take() lasts before it checks whether its QueueRunner was
 # cancelled (the session is closing). Only reached while other workers hold every remaining item.
@@ -69,6 +98,8 @@ class WorkQueue:
         self._taken = 0
         self._last_epoch = 0
         self._cancel_generation = 0
+        self._prefetcher: Optional[_Prefetcher] = None
+        self._hand_out = max(1, (self.queue.lease_ahead + 1) // 2)  # items per input_dataset call
 
     @classmethod
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
@@ -111,12 +142,14 @@ class WorkQueue:
 
     def close(self) -> None:
         """Acknowledge what was handed out, give back what was claimed ahead, and leave."""
+        self._stop_prefetching()
         self.queue.close()
 
     def __enter__(self) -> WorkQueue:
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self._stop_prefetching()
         self.queue.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:
@@ -127,17 +160,22 @@ class WorkQueue:
     def _take_item(self, cancel_generation: Optional[int] = None) -> WorkItem:
         """The next item; :class:`QueueExhausted` at the end. With ``cancel_generation``, a wait
         for other workers' items ends with :class:`_Cancelled` once :meth:`_cancel` was called."""
+        return self._take_items(1, cancel_generation)[0]
+
+    def _take_items(self, n: int, cancel_generation: Optional[int] = None) -> list[WorkItem]:
+        """Up to ``n`` items (see :meth:`wq_sql.WorkQueue.take_many`), as :meth:`_take_item`."""
         while True:
             try:
-                item = self.queue.take(timeout=None if cancel_generation is None else _WAIT_SLICE_SECONDS)
+                items = self.queue.take_many(
+                    n, timeout=None if cancel_generation is None else _WAIT_SLICE_SECONDS)
             except QueueEmpty:
                 if cancel_generation is not None and self._cancel_generation != cancel_generation:
                     raise _Cancelled() from None
                 continue
             with self._stats_lock:
-                self._taken += 1
-                self._last_epoch = item.epoch
-            return item
+                self._taken += len(items)
+                self._last_epoch = items[-1].epoch
+            return items
 
     def _take_bytes(self) -> bytes:
         """For ``tf.numpy_function``: ``StopIteration`` is how it raises OutOfRangeError."""
@@ -151,12 +189,30 @@ class WorkQueue:
             self._cancel_generation += 1
             return self._cancel_generation
 
-    def _next_or_end(self) -> bytes:
-        """For ``input_dataset``: the next item, or :data:`_END` at the end."""
+    def _next_many(self) -> np.ndarray:
+        """For ``input_dataset``: the next items (up to half of ``lease_ahead``, what the buffer
+        holds), or none at the end. After each hand-out, the prefetch thread tops the core's
+        buffer up again, off the pipeline's path."""
         try:
-            return self._take_item().encode("utf-8")
+            items = self._take_items(self._hand_out)
         except QueueExhausted:
-            return _END
+            return np.array([], dtype=object)
+        self._kick_prefetcher()
+        return np.array([item.encode("utf-8") for item in items], dtype=object)
+
+    def _kick_prefetcher(self) -> None:
+        p = self._prefetcher
+        if p is None or not p.alive():
+            with self._stats_lock:
+                p = self._prefetcher
+                if p is None or not p.alive():
+                    p = self._prefetcher = _Prefetcher(self.queue)
+        p.kick()
+
+    def _stop_prefetching(self) -> None:
+        p = self._prefetcher
+        if p is not None:
+            p.stop()
 
     # ------------------------------------------------------------------ DeepRec's API
 
@@ -186,22 +242,29 @@ class WorkQueue:
         queue instead of dropping the others' share. The takes run Python in this process:
         build the dataset in each worker's own process (between-graph training,
         ``MirroredStrategy``); it cannot be shipped to Python-less remote workers
-        (``ParameterServerStrategy``'s ``dataset_fn`` runs on them)."""
-        # A stateful numpy_function pulled by a sequential map: one take per element, only when
-        # the pipeline asks (tf.data does not parallelise stateful maps; a stateless map after it
-        # would be, and would pull ahead). It costs far less per element than
-        # Dataset.from_generator, which matters for many small files.
+        (``ParameterServerStrategy``'s ``dataset_fn`` runs on them). Under
+        ``MultiWorkerMirroredStrategy``, iterate it through the strategy's distributed iterator
+        so that workers with uneven data end together (see the module docstring).
+
+        After the first pull, a background thread keeps up to ``lease_ahead`` items claimed
+        ahead, and items reach the pipeline ``ceil(lease_ahead / 2)`` per Python call, so that
+        pulls do not wait for the database (see the module docstring)."""
+        # A stateful numpy_function pulled by a sequential map, only when the pipeline asks
+        # (tf.data does not parallelise stateful maps; a stateless map after it would be, and
+        # would pull ahead). Each call hands out what the prefetched buffer holds, up to half of
+        # lease_ahead, and unbatch() passes them on one by one: the Python call, which costs
+        # about as much as reading a small file, is paid once per hand-out, not per item.
         @tf.autograph.experimental.do_not_convert
         def take(_: tf.Tensor) -> tf.Tensor:
-            work = tf.numpy_function(self._next_or_end, [], tf.string, stateful=True, name="take")
-            work.set_shape([])
-            return work
+            works = tf.numpy_function(self._next_many, [], tf.string, stateful=True, name="take")
+            works.set_shape([None])
+            return works
 
         @tf.autograph.experimental.do_not_convert
-        def not_end(work: tf.Tensor) -> tf.Tensor:
-            return tf.not_equal(work, _END)
+        def not_end(works: tf.Tensor) -> tf.Tensor:
+            return tf.size(works) > 0
 
-        ds = tf.data.Dataset.from_tensors(0).repeat().map(take).take_while(not_end)
+        ds = tf.data.Dataset.from_tensors(0).repeat().map(take).take_while(not_end).unbatch()
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         return ds.with_options(options)
@@ -289,6 +352,66 @@ class WorkQueue:
         with self._stats_lock:
             taken, epoch = self._taken, self._last_epoch
         return [p.remaining / p.items_per_epoch, float(p.done), float(epoch), float(taken)]
+
+
+class _Prefetcher:
+    """A daemon thread that keeps the core queue's buffer of claimed items topped up
+    (:meth:`wq_sql.WorkQueue.prefetch`) after each take by ``input_dataset``, so that the
+    ``tf.data`` pull pops a buffered item instead of waiting for a database round trip. It
+    claims once at least half of ``lease_ahead`` places are free, so one round trip claims
+    several items; the core keeps claimed-but-not-handed-out items at most ``lease_ahead``.
+    Started by the first pull (a pipeline that is only built claims nothing)."""
+
+    def __init__(self, queue: _CoreQueue) -> None:
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._pid = os.getpid()
+        min_claim = max(1, (queue.lease_ahead + 1) // 2)
+        self._thread = threading.Thread(
+            target=_prefetch_loop, args=(weakref.ref(queue), self._wake, self._stopped, min_claim),
+            name=f"wq_sql-prefetch-{queue.name}", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._pid == os.getpid() and not self._stopped.is_set()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        if self._pid == os.getpid() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+
+def _prefetch_loop(ref: weakref.ref[_CoreQueue], wake: threading.Event, stopped: threading.Event,
+                   min_claim: int) -> None:
+    try:
+        while not stopped.is_set():
+            if not wake.wait(timeout=1.0):
+                if ref() is None:  # the queue object is gone: so is the need to prefetch
+                    return
+                continue
+            wake.clear()
+            queue = ref()
+            if queue is None or stopped.is_set():
+                return
+            try:
+                while queue.prefetch(min_claim) and not stopped.is_set():
+                    pass
+            except WorkerConflict:
+                return  # superseded: take() says so to the pipeline
+            except WqSqlError as e:
+                if type(e) is WqSqlError:  # closed
+                    return
+                log.debug("prefetch of queue %r failed, take() will retry: %s", queue.name, e)
+            except Exception as e:  # a database error: the pipeline's own take() retries and reports it
+                log.debug("prefetch of queue %r failed, take() will retry: %s", queue.name, e)
+            finally:
+                del queue
+    finally:
+        stopped.set()
 
 
 class _Cancelled(Exception):

@@ -84,3 +84,21 @@ def test_examples_are_deeprecs_but_for_the_import(name: str, deeprec: str) -> No
     ours, theirs = code_lines(text), code_lines(deeprec)
     start = ours.index(theirs[0])
     assert ours[start:start + len(theirs)] == theirs
+
+
+def test_tf_multi_worker(db_url: str, tmp_path: Path) -> None:
+    """Three worker processes on one queue, on SQLite and on PostgreSQL (via ``WQ_SQL_URL``)."""
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "tf_multi_worker.py")], capture_output=True,
+                       text=True, timeout=300, env={**ENV, "TMPDIR": str(tmp), "WQ_SQL_URL": db_url}, cwd=cwd)
+    assert p.returncode == 0, f"tf_multi_worker.py failed:\n{p.stdout}\n{p.stderr[-5000:]}"
+    assert "Traceback" not in p.stderr, p.stderr[-5000:]
+    out = p.stdout.splitlines()
+    workers = [line.split() for line in out[:3]]
+    assert [w[0] for w in workers] == ["worker:0", "worker:1", "worker:2"]
+    assert sum(int(w[2]) for w in workers) == 48  # 24 files x 2 epochs, each file to one worker
+    assert out[3:] == ["files: 24 x 2 epochs, lines read: 612",
+                       "every line exactly once per epoch: True",
+                       "every item done exactly once (wq_history): True"]

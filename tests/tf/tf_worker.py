@@ -77,7 +77,49 @@ def text_lines(job: dict[str, Any]) -> dict[str, Any]:
     return {"lines": lines, "ended_again": ended, "taken": work_queue.taken}
 
 
+def mirrored(job: dict[str, Any]) -> dict[str, Any]:
+    """One worker of a MultiWorkerMirroredStrategy custom training loop over a shared queue: items
+    of 1 to 3 elements, so workers end with uneven data; each step all-reduces the number of
+    elements every worker fed it."""
+    import os
+
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"localhost:{p}" for p in job["ports"]]},
+        "task": {"type": "worker", "index": job["index"]}})
+    import tensorflow as tf
+
+    from wq_sql.tf import WorkQueue
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    work_queue = WorkQueue(job["works"], name="mirrored", url=job["url"], worker=f"worker:{job['index']}")
+
+    def elements(work: tf.Tensor) -> tf.data.Dataset:
+        n = tf.strings.to_number(tf.strings.substr(work, 1, 9), tf.int64) % 3 + 1
+        return tf.data.Dataset.range(n)
+
+    dataset = work_queue.input_dataset().flat_map(elements).batch(2 * len(job["ports"]))
+    dist = strategy.experimental_distribute_dataset(dataset)
+
+    @tf.function
+    def step(batch: tf.Tensor) -> Any:
+        def count(x: tf.Tensor) -> tf.Tensor:
+            n = tf.cast(tf.size(x), tf.float32)
+            return tf.distribute.get_replica_context().all_reduce("sum", n)
+        return strategy.run(count, (batch,))
+
+    steps, elements_seen, local = 0, 0.0, 0
+    for batch in dist:  # the distributed iterator agrees on the end across workers
+        local += int(tf.size(strategy.experimental_local_results(batch)[0]))
+        elements_seen += float(strategy.experimental_local_results(step(batch))[0])
+        steps += 1
+        time.sleep(job["pause"] if job["index"] == 0 else 0)
+    taken = work_queue.taken
+    work_queue.close()
+    return {"steps": steps, "all_reduced": elements_seen, "local": local, "taken": taken}
+
+
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
-    report = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines}[job["mode"]](job)
+    modes = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines, "mirrored": mirrored}
+    report = modes[job["mode"]](job)
     print(json.dumps(report))

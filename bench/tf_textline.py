@@ -1,0 +1,119 @@
+"""Records/s of ``TextLineDataset(wq.input_dataset())`` against plain ``TextLineDataset(files)``,
+measured alternately in the same run (issue 3's target: at least 0.9x).
+
+    .venv/bin/python bench/tf_textline.py                          # SQLite, 1,000 files x 100 lines
+    .venv/bin/python bench/tf_textline.py --lease-ahead 1 16 64 --runs 7
+    .venv/bin/python bench/tf_textline.py --url postgresql://postgres@127.0.0.1:5432/postgres
+
+Each run reads every line once, batched (``--batch``, as a training input pipeline would), and
+times from the first pull to the end of the stream; setting up the queue (inserting the works)
+is not timed. Every wq_sql run uses a fresh queue (a new name, dropped afterwards). Reported:
+the median seconds of each side over ``--runs`` runs and ratio = median(plain) / median(wq_sql)
+(records/s of wq_sql over records/s of plain). The machines here are shared: read ratios, not
+absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tensorflow as tf  # noqa: E402
+
+import wq_sql  # noqa: E402
+from wq_sql.tf import WorkQueue  # noqa: E402
+
+
+def write_files(directory: Path, n_files: int, n_lines: int) -> list[str]:
+    paths = []
+    for i in range(n_files):
+        path = directory / f"part-{i:05d}.txt"
+        path.write_text("".join(f"{i},{j},{(i * 31 + j) % 97},some payload text\n" for j in range(n_lines)))
+        paths.append(str(path))
+    return paths
+
+
+def consume(ds: tf.data.Dataset) -> tuple[int, float]:
+    start = time.perf_counter()
+    n = 0
+    for batch in ds:
+        n += int(batch.shape[0])
+    return n, time.perf_counter() - start
+
+
+def run_plain(paths: list[str], batch: int) -> tuple[int, float]:
+    return consume(tf.data.TextLineDataset(paths).batch(batch))
+
+
+def run_wq(paths: list[str], batch: int, url: str, lease_ahead: int) -> tuple[int, float]:
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    wq = WorkQueue(paths, shuffle=False, name=name, url=url, worker="bench", lease_ahead=lease_ahead)
+    try:
+        n, seconds = consume(tf.data.TextLineDataset(wq.input_dataset()).batch(batch))
+    finally:
+        wq.close()
+        wq_sql.drop_queue(name, url)
+    return n, seconds
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPUs, load {load:.2f}, "
+            f"Python {platform.python_version()}, TensorFlow {tf.__version__}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=None,
+                    help="database URL (default: a fresh SQLite file in a temp dir)")
+    ap.add_argument("--files", type=int, default=1000)
+    ap.add_argument("--lines", type=int, default=100, help="lines per file")
+    ap.add_argument("--lease-ahead", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--runs", type=int, default=5, help="runs per side (medians are reported)")
+    ap.add_argument("--batch", type=int, default=256)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="wq_sql_bench_tf_") as tmp:
+        paths = write_files(Path(tmp), args.files, args.lines)
+        url = args.url or f"sqlite:///{tmp}/wq.db"
+        expected = args.files * args.lines
+        print(machine())
+        print(f"{args.files} files x {args.lines} lines, batch {args.batch}, {args.runs} runs per side, "
+              f"backend {url.split(':', 1)[0]}")
+        run_plain(paths, args.batch)  # warm up TensorFlow and the page cache
+        run_wq(paths, args.batch, url, args.lease_ahead[0])
+        for lease_ahead in args.lease_ahead:
+            plain, ours = [], []
+            for _ in range(args.runs):
+                n, s = run_plain(paths, args.batch)
+                assert n == expected, (n, expected)
+                plain.append(s)
+                n, s = run_wq(paths, args.batch, url, lease_ahead)
+                assert n == expected, (n, expected)
+                ours.append(s)
+            p, o = statistics.median(plain), statistics.median(ours)
+            print(f"lease_ahead={lease_ahead:<3d} plain {p:.3f}s ({expected / p:,.0f} rec/s)  "
+                  f"wq_sql {o:.3f}s ({expected / o:,.0f} rec/s)  ratio {p / o:.2f}x  "
+                  f"[{'meets' if p / o >= 0.9 else 'below'} 0.9x]")
+
+
+if __name__ == "__main__":
+    main()
