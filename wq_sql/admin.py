@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 from sqlalchemy import delete, select, update
@@ -25,6 +26,21 @@ from wq_sql.plan import (
 
 def _engine(url: Optional[str | URL], schema: Optional[str]) -> Any:
     return make_engine(resolve_url(url), schema=schema, pool_size=1)
+
+
+@contextmanager
+def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str]) -> Iterator[tuple[Any, Any]]:
+    """One write transaction on the schema-checked database, with queue ``name``'s row."""
+    engine = _engine(url, schema)
+    try:
+        migrate.ensure_schema(engine, schema)
+        with engine.begin() as conn:
+            row = ops.find_queue(conn, name)
+            if row is None:
+                raise QueueNotFound(f"no queue named {name!r}")
+            yield conn, row
+    finally:
+        engine.dispose()
 
 
 def upgrade(url: Optional[str | URL] = None, schema: Optional[str] = None) -> str:
@@ -55,7 +71,8 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
     queue of that name exists with the same configuration (as a joining worker would accept it);
     another configuration raises :class:`QueueConfigMismatch`, as ``WorkQueue(...)`` does.
 
-    >>> create_queue(["a.txt", "b.txt"], num_epochs=2, seed=7, name="train", url="sqlite:///q.db")
+    Example: ``create_queue(["a.txt", "b.txt"], num_epochs=2, seed=7, name="train",
+    url="sqlite:///q.db")``.
     """
     from wq_sql.queue import _check_name, _check_prefix, _differences  # the facade's own rules
 
@@ -88,19 +105,11 @@ def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str
     """Start a queue over at epoch 0 (same works and seed); its history is deleted.
 
     Stop its workers first: items they hold are forgotten."""
-    engine = _engine(url, schema)
-    try:
-        migrate.ensure_schema(engine, schema)
-        with engine.begin() as conn:
-            row = ops.find_queue(conn, name)
-            if row is None:
-                raise QueueNotFound(f"no queue named {name!r}")
-            for table in (ops.items, ops.events, ops.tallies, ops.workers):
-                conn.execute(delete(table).where(table.c.queue_id == row.id))
-            conn.execute(update(ops.queues).where(ops.queues.c.id == row.id).values(epochs_created=1))
-            ops.insert_epoch(conn, row.id, row.n_works, 0, row.shuffle, row.seed)
-    finally:
-        engine.dispose()
+    with _queue_tx(name, url, schema) as (conn, row):
+        for table in (ops.items, ops.events, ops.tallies, ops.workers):
+            conn.execute(delete(table).where(table.c.queue_id == row.id))
+        conn.execute(update(ops.queues).where(ops.queues.c.id == row.id).values(epochs_created=1))
+        ops.insert_epoch(conn, row.id, row.n_works, 0, row.shuffle, row.seed)
 
 
 def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> bool:
@@ -147,14 +156,6 @@ def compact_queue(name: str, url: Optional[str | URL] = None, schema: Optional[s
     newest one (and their events, unless ``keep_events``). Failed items and their events are
     kept; ``wq_tallies`` keeps per-epoch, per-worker counts; progress and ``QueueExhausted`` read
     only the counters, so they are unaffected. Returns the number of item rows deleted."""
-    engine = _engine(url, schema)
-    try:
-        migrate.ensure_schema(engine, schema)
-        with engine.begin() as conn:
-            row = ops.find_queue(conn, name)
-            if row is None:
-                raise QueueNotFound(f"no queue named {name!r}")
-            epochs = [e for e in ops.finished_epochs(conn, row.id, row.n_works) if e < row.epochs_created - 1]
-            return ops.compact(conn, row.id, epochs, keep_events)
-    finally:
-        engine.dispose()
+    with _queue_tx(name, url, schema) as (conn, row):
+        epochs = [e for e in ops.finished_epochs(conn, row.id, row.n_works) if e < row.epochs_created - 1]
+        return ops.compact(conn, row.id, epochs, keep_events)
