@@ -112,7 +112,7 @@ def test_processes_drain_two_epochs_exactly_once(db_url: str, backend: str, tmp_
     for i in range(n_procs):
         procs.append(Proc(db_url, "drain", f"w{i}", tmp_path / f"w{i}.log", n_works,
                           distinct=distinct, num_epochs=epochs, lease_ahead=1 if i % 2 else 8,
-                          barrier=barrier))
+                          barrier=barrier, item_ms=0.5))  # work per item: no process drains alone
     for p in procs:
         p.expect("READY", timeout=60)
     barrier.touch()

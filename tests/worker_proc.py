@@ -66,6 +66,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--barrier", default=None, help="wait for this file before constructing")
     p.add_argument("--hold", type=int, default=0, help="hold the n-th item received un-acked")
     p.add_argument("--max-items", type=int, default=0, help="close after this many items")
+    p.add_argument("--item-ms", type=float, default=0.0, help="work on each item this long")
     return p.parse_args(argv)
 
 
@@ -115,6 +116,8 @@ def main(argv: list[str]) -> int:
         n += 1
         log.write(f"{item.epoch} {item.seq} {item.work}\n")
         log.flush()
+        if a.item_ms:
+            time.sleep(a.item_ms / 1000)
         if n == a.hold:
             _say(f"HOLDING {item.epoch} {item.seq} {item.work}")
             while True:

@@ -1,0 +1,158 @@
+"""Shared helpers for the benchmarks: scratch databases, cloning a queue server-side, machine
+details, medians and percentiles.
+
+Every benchmark measures its reference in the same run and reports ratios: the machines here are
+shared and noisy, so absolute figures vary from run to run; ratios much less.
+
+Postgres: ``--pg`` (default ``$WQ_SQL_BENCH_PG``, else ``postgresql://postgres@127.0.0.1:5432/postgres``)
+is the admin URL; each benchmark creates its own ``wq_bench_*`` database there and drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from wq_sql.engine import resolve_url  # noqa: E402
+
+PG_ADMIN = os.environ.get("WQ_SQL_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def pg_url(admin: str, db: str) -> str:
+    return resolve_url(admin).set(database=db).render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def scratch_pg(admin: str = PG_ADMIN, tag: str = "x") -> Iterator[str]:
+    """A fresh Postgres database ``wq_bench_<tag>_<random>``, dropped afterwards."""
+    name = f"wq_bench_{tag}_{uuid.uuid4().hex[:8]}"
+    eng = sa.create_engine(resolve_url(admin), isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield pg_url(admin, name)
+    finally:
+        with eng.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        eng.dispose()
+
+
+@contextlib.contextmanager
+def scratch_sqlite(tag: str = "x") -> Iterator[str]:
+    """A fresh SQLite file in a temporary folder (on local disk), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=f"wq_bench_{tag}_", dir=os.environ.get("WQ_SQL_BENCH_TMP")) as d:
+        yield f"sqlite:///{Path(d) / 'bench.db'}"
+
+
+@contextlib.contextmanager
+def scratch(backend: str, admin: str = PG_ADMIN, tag: str = "x") -> Iterator[str]:
+    if backend == "sqlite":
+        with scratch_sqlite(tag) as u:
+            yield u
+    else:
+        with scratch_pg(admin, tag) as u:
+            yield u
+
+
+def clone_queue(url: str, src: str, dst: str) -> None:
+    """Copy queue ``src`` (config, works, items of epoch 0, all pending) to a new queue ``dst``,
+    server-side: a fresh queue of the same size in well under a second, so every run starts from
+    an untouched queue without paying the creation again."""
+    eng = sa.create_engine(resolve_url(url))
+    try:
+        with eng.begin() as c:
+            cols = ("works_digest, n_works, num_epochs, shuffle, seed, num_slices, prefix, "
+                    "max_attempts, epochs_created")
+            c.execute(sa.text(f"INSERT INTO wq_queues (name, {cols}) SELECT :dst, {cols} "
+                              "FROM wq_queues WHERE name = :src"), {"src": src, "dst": dst})
+            ids = c.execute(sa.text("SELECT (SELECT id FROM wq_queues WHERE name = :src), "
+                                    "(SELECT id FROM wq_queues WHERE name = :dst)"),
+                            {"src": src, "dst": dst}).one()
+            s, d = ids
+            c.execute(sa.text("INSERT INTO wq_works (queue_id, idx, work) SELECT :d, idx, work "
+                              "FROM wq_works WHERE queue_id = :s"), {"s": s, "d": d})
+            c.execute(sa.text("INSERT INTO wq_items (queue_id, epoch, seq, work_idx, state, attempts) "
+                              "SELECT :d, epoch, seq, work_idx, 'pending', 0 FROM wq_items "
+                              "WHERE queue_id = :s ORDER BY epoch, seq"), {"s": s, "d": d})
+        if eng.dialect.name == "postgresql":
+            with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+                c.exec_driver_sql("ANALYZE wq_items")
+    finally:
+        eng.dispose()
+
+
+def queue_id(url: str, name: str) -> int:
+    eng = sa.create_engine(resolve_url(url))
+    try:
+        with eng.connect() as c:
+            return int(c.execute(sa.text("SELECT id FROM wq_queues WHERE name = :n"), {"n": name}).scalar_one())
+    finally:
+        eng.dispose()
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    """The p-th percentile (0..100), nearest rank; nan for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, int(round(p / 100.0 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    """What BENCHMARKS.md prints above every table."""
+    mem_kb = 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    pg = ""
+    with contextlib.suppress(Exception):
+        eng = sa.create_engine(resolve_url(PG_ADMIN))
+        with eng.connect() as c:
+            pg = c.exec_driver_sql("SHOW server_version").scalar_one()
+        eng.dispose()
+    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_gib": round(mem_kb / 2**20, 1),
+            "python": platform.python_version(), "sqlite": sqlite3.sqlite_version,
+            "postgres": pg, "sqlalchemy": sa.__version__,
+            "load1": round(os.getloadavg()[0], 2)}
+
+
+def git_rev() -> Optional[str]:
+    with contextlib.suppress(Exception):
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() + (" (dirty)" if subprocess.run(
+                                  ["git", "status", "--porcelain", "wq_sql"], cwd=ROOT, capture_output=True,
+                                  text=True).stdout.strip() else "")
+    return None
+
+
+def dump(path: Optional[str], data: Any) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1, default=str))

@@ -1,0 +1,372 @@
+"""Claim throughput and latency: ``take()`` loops in P processes against the same claim + complete
+statements issued through the raw driver, measured in the same run.
+
+For every backend, process count P and lease-ahead n, three variants drain a fresh copy of the same
+queue for ``--seconds``, one after the other, ``--repeats`` times (interleaved, so drift hits all
+three alike):
+
+* ``wq_sql``   ``WorkQueue.take()`` in a loop (auto-complete: the next take acks the previous batch).
+* ``raw``      the reference of the target: psycopg2 / sqlite3 issuing, per round, ONE transaction
+               that acks the previous batch (fenced by id and token) and claims the next n (the
+               same ``SKIP LOCKED`` CTE on Postgres, the same statement under ``BEGIN IMMEDIATE``
+               on SQLite) and reads their work strings; no audit events, no counters.
+* ``raw_same`` wq_sql's own round (``ops.ClaimRound``: + events and per-worker counters) issued
+               through the raw driver: the gap to ``wq_sql`` is the library's Python overhead, the
+               gap between ``raw`` and ``raw_same`` is the price of the audit trail.
+
+Reported: items/s (sum over processes), ratio to ``raw``, p50/p99 latency of a round trip (a
+``take()`` that went to the database; for raw, one round). Medians over repeats.
+
+    .venv/bin/python bench/claim_throughput.py                      # both backends
+    .venv/bin/python bench/claim_throughput.py --backends postgresql --procs 1,2,4,8 --repeats 3
+
+Every run starts from a pristine copy of a template database (Postgres: ``CREATE DATABASE ...
+TEMPLATE``; SQLite: a file copy), so dead tuples of one run never slow the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sqlite3
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PG_ADMIN, dump, git_rev, machine, median, pct, pg_url  # noqa: E402
+
+from wq_sql import WorkQueue  # noqa: E402
+from wq_sql.engine import Backend, resolve_url  # noqa: E402
+from wq_sql.ops import ClaimRound  # noqa: E402
+
+QUEUE = "bench"
+VARIANTS = ("wq_sql", "raw", "raw_same")
+
+
+# ---------------------------------------------------------------- the raw reference
+
+
+def _pg_raw_sql(n: int) -> str:
+    return f"""
+WITH acked AS (
+    UPDATE wq_items SET state = 'done', done_at = clock_timestamp(), lease_until = NULL
+    WHERE (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
+      AND state = 'claimed'
+    RETURNING id
+), c AS MATERIALIZED (
+    SELECT id FROM wq_items WHERE queue_id = %(q)s AND state = 'pending'
+    ORDER BY epoch, seq LIMIT {n} FOR UPDATE SKIP LOCKED
+), cl AS (
+    UPDATE wq_items i SET state = 'claimed', worker_id = %(w)s, token = %(t)s,
+        claimed_at = clock_timestamp(), lease_until = clock_timestamp() + interval '60 seconds'
+    FROM c WHERE i.id = c.id RETURNING i.id, i.work_idx
+)
+SELECT cl.id, w.work FROM cl JOIN wq_works w ON w.queue_id = %(q)s AND w.idx = cl.work_idx
+"""
+
+
+_SQ_NOW = "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
+_SQ_ACK = (f"UPDATE wq_items SET state = 'done', done_at = {_SQ_NOW}, lease_until = NULL "
+           "WHERE id = ? AND token = ? AND state = 'claimed'")
+
+
+def _sq_claim(n: int) -> str:
+    return ("WITH c AS MATERIALIZED (SELECT id FROM wq_items WHERE queue_id = ? AND state = 'pending' "
+            f"ORDER BY epoch, seq LIMIT {n}) UPDATE wq_items SET state = 'claimed', worker_id = ?, token = ?, "
+            f"claimed_at = {_SQ_NOW}, lease_until = (strftime('%Y-%m-%d %H:%M:%f', 'now', '+60 seconds') || '000') "
+            "FROM c WHERE wq_items.id = c.id RETURNING id, work_idx")
+
+
+def _raw_worker_id(cur: Any, qid: int, name: str, pg: bool) -> int:
+    now = "clock_timestamp()" if pg else _SQ_NOW
+    ph = "%s" if pg else "?"
+    cur.execute(f"INSERT INTO wq_workers (queue_id, name, incarnation, host, pid, started_at, heartbeat_at) "
+                f"VALUES ({ph}, {ph}, 'raw', 'bench', {ph}, {now}, {now}) RETURNING id", (qid, name, os.getpid()))
+    return int(cur.fetchone()[0])
+
+
+def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, seconds: float) -> tuple[int, float, list[float]]:
+    pg = not url.startswith("sqlite")
+    token = 0
+    lat: list[float] = []
+    count = 0
+    if pg:
+        import psycopg2
+
+        u = resolve_url(url)
+        conn = psycopg2.connect(host=u.host, port=u.port or 5432, user=u.username, dbname=u.database,
+                                application_name="wq_bench_raw")
+        cur = conn.cursor()
+        cur.execute("SELECT id FROM wq_queues WHERE name = %s", (QUEUE,))
+        qid = cur.fetchone()[0]
+        wid = _raw_worker_id(cur, qid, name, True)
+        conn.commit()
+        sql = _pg_raw_sql(n) if variant == "raw" else ClaimRound(Backend("postgresql"), n, 60.0)._sql
+        acks: list[tuple[int, int]] = []
+        ready.set()
+        go.wait()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            token += 1
+            t = time.perf_counter()
+            cur.execute(sql, {"q": qid, "w": wid, "t": token, "lease": 60.0, "fe": -1, "fs": -1, "lim": n,
+                              "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]})
+            rows = cur.fetchall()
+            conn.commit()
+            lat.append(time.perf_counter() - t)
+            got = [r for r in rows if variant == "raw" or r[0] == "c"]
+            if not got:
+                break
+            acks = [((r[0] if variant == "raw" else r[1]), token) for r in got]
+            count += len(got)
+        elapsed = time.perf_counter() - t0
+        conn.close()
+        return count, elapsed, lat
+    path = resolve_url(url).database
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    cur = conn.cursor()
+    cur.execute("BEGIN IMMEDIATE")
+    qid = cur.execute("SELECT id FROM wq_queues WHERE name = ?", (QUEUE,)).fetchone()[0]
+    wid = _raw_worker_id(cur, qid, name, False)
+    cur.execute("COMMIT")
+    rnd = ClaimRound(Backend("sqlite"), n, 60.0)
+    claim = _sq_claim(n)
+    acks = []
+    ready.set()
+    go.wait()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        token += 1
+        t = time.perf_counter()
+        cur.execute("BEGIN IMMEDIATE")
+        if variant == "raw":
+            cur.executemany(_SQ_ACK, acks)
+            rows = cur.execute(claim, (qid, wid, token)).fetchall()
+        else:  # ops.ClaimRound._run_sqlite, statement for statement
+            done = cur.execute(rnd._ack.format(pairs=", ".join(["(?, ?)"] * len(acks))),
+                               [x for a in acks for x in a]).fetchall() if acks else []
+            per: dict[int, int] = {}
+            for r in done:
+                per[r[1]] = per.get(r[1], 0) + 1
+            for e, k in per.items():
+                cur.execute(rnd._tally, (qid, e, wid, k))
+            rows = cur.execute(rnd._claim, (qid, wid, token, "+60.0 seconds")).fetchall()
+            evs = [(qid, r[0], r[1], r[2], "done", wid, r[3]) for r in done]
+            evs += [(qid, r[0], r[1], r[2], "claim", wid, token) for r in rows]
+            if evs:
+                cur.executemany(rnd._event, evs)
+            rows = [(r[0], r[3]) for r in rows]
+        if rows:
+            idx = sorted({r[1] for r in rows})
+            cur.execute(f"SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN ({','.join('?' * len(idx))})",
+                        (qid, *idx)).fetchall()
+        cur.execute("COMMIT")
+        lat.append(time.perf_counter() - t)
+        if not rows:
+            break
+        acks = [(r[0], token) for r in rows]
+        count += len(rows)
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    return count, elapsed, lat
+
+
+def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float) -> tuple[int, float, list[float]]:
+    wq = WorkQueue.attach(QUEUE, url=url, worker=name, lease_ahead=n)
+    lat: list[float] = []
+    count = 0
+    ready.set()
+    go.wait()
+    t0 = time.perf_counter()
+    try:
+        while time.perf_counter() - t0 < seconds:
+            trip = not wq._buffer  # this take() goes to the database
+            t = time.perf_counter()
+            wq.take()
+            if trip:
+                lat.append(time.perf_counter() - t)
+            count += 1
+    except Exception as e:  # QueueExhausted: the queue was too small for --seconds
+        print(f"worker {name}: {type(e).__name__} after {count}", file=sys.stderr)
+    elapsed = time.perf_counter() - t0
+    wq.close()
+    return count, elapsed, lat
+
+
+def _child(variant: str, url: str, n: int, name: str, ready: Any, go: Any, seconds: float, out: Any) -> None:
+    try:
+        if variant == "wq_sql":
+            res = _run_wq(url, n, name, ready, go, seconds)
+        else:
+            res = _run_raw(url, variant, n, name, ready, go, seconds)
+        out.put(res)
+    except BaseException as e:
+        ready.set()
+        out.put(e)
+        raise
+
+
+# ---------------------------------------------------------------- databases
+
+
+class Template:
+    """A database holding one queue of ``size`` pending items; ``copy()`` gives a pristine copy."""
+
+    def __init__(self, backend: str, size: int, admin: str, tmp: Path) -> None:
+        self.backend, self.admin, self.tmp = backend, admin, tmp
+        if backend == "sqlite":
+            self.path = tmp / "template.db"
+            self.url = f"sqlite:///{self.path}"
+        else:
+            self.db = f"wq_bench_tmpl_{uuid.uuid4().hex[:8]}"
+            self._admin(f'CREATE DATABASE "{self.db}"')
+            self.url = pg_url(admin, self.db)
+        t = time.perf_counter()
+        wq = WorkQueue([f"part-{i:07d}" for i in range(size)], num_epochs=1, shuffle=False, seed=1,
+                       name=QUEUE, url=self.url, worker="creator")
+        wq.close()
+        eng = sa.create_engine(resolve_url(self.url))
+        with eng.connect() as c:
+            if backend == "sqlite":
+                c.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                c.exec_driver_sql("ANALYZE")
+            else:
+                c.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE")
+        eng.dispose()
+        print(f"# {backend}: template queue of {size} items in {time.perf_counter() - t:.1f}s", flush=True)
+
+    def _admin(self, sql: str) -> None:
+        eng = sa.create_engine(resolve_url(self.admin), isolation_level="AUTOCOMMIT")
+        with eng.connect() as c:
+            c.exec_driver_sql(sql)
+        eng.dispose()
+
+    def copy(self) -> str:
+        if self.backend == "sqlite":
+            d = self.tmp / f"run_{uuid.uuid4().hex[:6]}"
+            d.mkdir()
+            shutil.copy(self.path, d / "bench.db")
+            return f"sqlite:///{d / 'bench.db'}"
+        name = f"wq_bench_run_{uuid.uuid4().hex[:8]}"
+        self._admin(f'CREATE DATABASE "{name}" TEMPLATE "{self.db}"')
+        return pg_url(self.admin, name)
+
+    def discard(self, url: str) -> None:
+        if self.backend == "sqlite":
+            shutil.rmtree(Path(resolve_url(url).database).parent, ignore_errors=True)
+        else:
+            self._admin(f'DROP DATABASE IF EXISTS "{resolve_url(url).database}" WITH (FORCE)')
+
+    def drop(self) -> None:
+        if self.backend != "sqlite":
+            self._admin(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)')
+
+
+def run_once(tmpl: Template, variant: str, procs: int, n: int, seconds: float) -> dict[str, Any]:
+    url = tmpl.copy()
+    ctx = mp.get_context("fork")
+    try:
+        go = ctx.Event()
+        out = ctx.Queue()
+        readies = []
+        ps = []
+        for i in range(procs):
+            r = ctx.Event()
+            p = ctx.Process(target=_child, args=(variant, url, n, f"{variant}-{i}", r, go, seconds, out))
+            p.start()
+            readies.append(r)
+            ps.append(p)
+        for r in readies:
+            if not r.wait(120):
+                raise RuntimeError("a worker did not get ready")
+        go.set()
+        results = [out.get(timeout=seconds + 120) for _ in ps]
+        for p in ps:
+            p.join(60)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        rate = sum(c / e for c, e, _ in results if e > 0)
+        lat = [x for _, _, ls in results for x in ls]
+        return {"items": sum(c for c, _, _ in results), "rate": rate,
+                "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "rounds": len(lat)}
+    finally:
+        tmpl.discard(url)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="sqlite,postgresql")
+    ap.add_argument("--procs", default=None, help="default: 1,2,4 on SQLite, 1,2,4,8 on Postgres")
+    ap.add_argument("--lease-ahead", default="1,32")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--size", type=int, default=300_000, help="items in the queue copied for each run")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--pg", default=PG_ADMIN, help="admin URL of the Postgres server (scratch databases)")
+    ap.add_argument("--json", default=None, help="also write every run here")
+    a = ap.parse_args(argv)
+    print("#", machine(), "rev", git_rev(), flush=True)
+    las = [int(x) for x in a.lease_ahead.split(",")]
+    variants = a.variants.split(",")
+    all_runs: list[dict[str, Any]] = []
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="wq_bench_claim_") as tmp:
+        for backend in a.backends.split(","):
+            procs = [int(x) for x in (a.procs or ("1,2,4" if backend == "sqlite" else "1,2,4,8")).split(",")]
+            tmpl = Template(backend, a.size, a.pg, Path(tmp))
+            try:
+                for rep in range(a.repeats):
+                    for p in procs:
+                        for n in las:
+                            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+                            for v in order:
+                                r = run_once(tmpl, v, p, n, a.seconds)
+                                r.update(backend=backend, procs=p, lease_ahead=n, variant=v, rep=rep)
+                                all_runs.append(r)
+                                print(f"  {backend:10s} P={p} n={n:<3d} {v:9s} rep {rep}: {r['rate']:9.0f} items/s "
+                                      f"p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms", flush=True)
+            finally:
+                tmpl.drop()
+            report(all_runs, backend, procs, las, variants)
+    dump(a.json, all_runs)
+    return 0
+
+
+def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list[int], variants: list[str]) -> None:
+    print(f"\n## {backend}: medians of {max(r['rep'] for r in runs) + 1} runs\n")
+    print("| procs | lease_ahead | wq_sql items/s | raw items/s | raw_same items/s | wq_sql / raw "
+          "| wq_sql / raw_same | wq_sql p50 / p99 ms | raw p50 / p99 ms | target | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for p in procs:
+        for n in las:
+            sel = {v: [r for r in runs if r["backend"] == backend and r["procs"] == p and r["lease_ahead"] == n
+                       and r["variant"] == v] for v in variants}
+            med = {v: {k: median([r[k] for r in sel[v]]) for k in ("rate", "p50_ms", "p99_ms")} for v in variants}
+            # the ratio of each repeat (same run), then the median of the ratios
+            ratio = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw", []))])
+            ratio_same = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw_same", []))])
+            target = 0.5 if n == 1 else 0.8
+            verdict = "met" if ratio >= target else "MISSED"
+            def g(v: str, k: str, med: dict[str, dict[str, float]] = med) -> float:
+                return med.get(v, {}).get(k, float("nan"))
+
+            print(f"| {p} | {n} | {g('wq_sql', 'rate'):.0f} | {g('raw', 'rate'):.0f} | {g('raw_same', 'rate'):.0f} "
+                  f"| {ratio:.2f} | {ratio_same:.2f} | {g('wq_sql', 'p50_ms'):.2f} / {g('wq_sql', 'p99_ms'):.2f} "
+                  f"| {g('raw', 'p50_ms'):.2f} / {g('raw', 'p99_ms'):.2f} | >= {target} | {verdict} |")
+    print(flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
