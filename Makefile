@@ -36,7 +36,7 @@ test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 	$(BIN)/python -m pytest tests/tf
 
 lint: $(VENV)/.core  ## ruff
-	$(BIN)/ruff check wq_sql tests examples migrations
+	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
 
 bench: $(VENV)/.core  ## run the benchmarks of BENCHMARKS.md (tens of minutes; needs PostgreSQL)
