@@ -41,7 +41,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -254,6 +255,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def _checked_engine(args: argparse.Namespace, url: URL) -> Iterator[Engine]:
+    """An engine on an existing database at the head revision, disposed afterwards."""
+    engine, rev = _engine(args, must_exist=True)
+    try:
+        _require_head(url, args.schema, rev)
+        yield engine
+    finally:
+        engine.dispose()
+
+
 def _snapshot(engine: Engine, fn: Callable[[Connection], T]) -> T:
     """Run ``fn`` in one read-only transaction that sees one snapshot (Postgres: REPEATABLE READ;
     SQLite: a read transaction in WAL mode is a snapshot already)."""
@@ -318,9 +330,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
     url = _url(args)
-    engine, rev = _engine(args, must_exist=True)
-    try:
-        _require_head(url, args.schema, rev)
+    with _checked_engine(args, url) as engine:
         b = Backend(engine.dialect.name)
 
         def frame() -> tuple[list[str], StatusSummary]:
@@ -330,8 +340,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("\n".join(frame()[0]))
             return 0
         return _watch(frame, args.interval)
-    finally:
-        engine.dispose()
 
 
 @dataclass(frozen=True)
@@ -471,12 +479,8 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
 
 def cmd_audit(args: argparse.Namespace) -> int:
     url = _url(args)
-    engine, rev = _engine(args, must_exist=True)
-    try:
-        _require_head(url, args.schema, rev)
+    with _checked_engine(args, url) as engine:
         a = _snapshot(engine, lambda conn: report.audit(conn, _find_queue(conn, url, args.name)))
-    finally:
-        engine.dispose()
     if args.format == "json":
         print(json.dumps(a.as_dict(), indent=2))
     elif args.format == "csv":
@@ -634,12 +638,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise CliError(f"the folder of --out {args.out!r} does not exist")
     url = _url(args)
-    engine, rev = _engine(args, must_exist=True)
-    try:
-        _require_head(url, args.schema, rev)
+    with _checked_engine(args, url) as engine:
         t = _snapshot(engine, lambda conn: report.timeline(conn, _find_queue(conn, url, args.name)))
-    finally:
-        engine.dispose()
     if kind == ".png":
         report.render_png(t, str(out))
     else:
@@ -652,16 +652,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_reset(args: argparse.Namespace) -> int:
     url = _url(args)
-    engine, rev = _engine(args, must_exist=True)
-    try:
-        _require_head(url, args.schema, rev)
+    with _checked_engine(args, url) as engine:
         with engine.connect().execution_options(wq_read=True) as conn, conn.begin():
             q = _find_queue(conn, url, args.name)
             done, failed = ops.progress(conn, q.id)
             live = conn.execute(select(func.count()).select_from(ops.workers).where(
                 ops.workers.c.queue_id == q.id, ops.workers.c.heartbeat_at.is_not(None))).scalar_one()
-    finally:
-        engine.dispose()
     _confirm(args, f"reset queue {args.name!r} ({done} done and {failed} failed items and its history "
                    "are deleted)")
     if live:
@@ -675,13 +671,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
 
 def cmd_drop(args: argparse.Namespace) -> int:
     url = _url(args)
-    engine, rev = _engine(args, must_exist=True)
-    try:
-        _require_head(url, args.schema, rev)
+    with _checked_engine(args, url) as engine:
         with engine.connect().execution_options(wq_read=True) as conn, conn.begin():
             _find_queue(conn, url, args.name)
-    finally:
-        engine.dispose()
     _confirm(args, f"drop queue {args.name!r} with its items and history")
     if not admin.drop_queue(args.name, url, args.schema):
         raise QueueNotFound(f"no queue named {args.name!r} in {safe_url(url)} (dropped meanwhile?)")
