@@ -84,32 +84,32 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture
-def db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh, migrated database for this test."""
+def fresh_database(backend: str, tmp_path: Path, request: pytest.FixtureRequest, stem: str,
+                   migrated: bool) -> Iterator[str]:
+    """Yield the URL of a new database for one test: a SQLite file ``<stem>.db`` (wq_sql
+    migrates it on first use), or a Postgres database copied from the migrated template
+    (``migrated``) or empty, dropped afterwards. Skips or fails as ``pg_template`` does."""
     if backend == "sqlite":
-        yield f"sqlite:///{tmp_path / 'wq.db'}"
+        yield f"sqlite:///{tmp_path / (stem + '.db')}"
         return
     template = request.getfixturevalue("pg_template")
-    name = new_pg_database(template)
+    name = new_pg_database(template if migrated else None)
     try:
         yield _pg_url(name)
     finally:
         drop_pg_database(name)
+
+
+@pytest.fixture
+def db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated database for this test."""
+    yield from fresh_database(backend, tmp_path, request, "wq", migrated=True)
 
 
 @pytest.fixture
 def empty_db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh database without the wq_sql schema (for schema-creation tests)."""
-    if backend == "sqlite":
-        yield f"sqlite:///{tmp_path / 'empty.db'}"
-        return
-    request.getfixturevalue("pg_template")  # skip or fail as above when Postgres is unreachable
-    name = new_pg_database(None)
-    try:
-        yield _pg_url(name)
-    finally:
-        drop_pg_database(name)
+    yield from fresh_database(backend, tmp_path, request, "empty", migrated=False)
 
 
 def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None,

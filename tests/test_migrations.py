@@ -65,18 +65,9 @@ def drain(wq: WorkQueue) -> list[str]:
 @pytest.fixture
 def other_empty_db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A second database without the wq_sql schema."""
-    if backend == "sqlite":
-        yield f"sqlite:///{tmp_path / 'other.db'}"
-        return
-    from conftest import _pg_url, drop_pg_database, new_pg_database
+    from conftest import fresh_database
 
-    request.getfixturevalue("pg_template")  # skips or fails as configured when Postgres is away
-    name = new_pg_database(None)
-    try:
-        yield _pg_url(name)
-    finally:
-        drop_pg_database(name)
-
+    yield from fresh_database(backend, tmp_path, request, "other", migrated=False)
 
 # ---------------------------------------------------------------- reflection
 

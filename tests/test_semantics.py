@@ -58,17 +58,9 @@ def drain(wq: WorkQueue) -> list[str]:
 @pytest.fixture
 def second_db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """Another fresh, migrated database of the same backend as ``db_url``."""
-    if backend == "sqlite":
-        yield f"sqlite:///{tmp_path / 'second.db'}"
-        return
-    from conftest import _pg_url, drop_pg_database, new_pg_database
+    from conftest import fresh_database
 
-    name = new_pg_database(request.getfixturevalue("pg_template"))
-    try:
-        yield _pg_url(name)
-    finally:
-        drop_pg_database(name)
-
+    yield from fresh_database(backend, tmp_path, request, "second", migrated=True)
 
 # ---------------------------------------------------------------- joining and configuration
 

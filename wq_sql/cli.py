@@ -652,12 +652,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_reset(args: argparse.Namespace) -> int:
     url = _url(args)
+    def read(conn: Connection) -> tuple[Any, int, int, int]:
+        q = _find_queue(conn, url, args.name)
+        done, failed = ops.progress(conn, q.id)
+        live = conn.execute(select(func.count()).select_from(ops.workers).where(
+            ops.workers.c.queue_id == q.id, ops.workers.c.heartbeat_at.is_not(None))).scalar_one()
+        return q, done, failed, live
+
     with _checked_engine(args, url) as engine:
-        with engine.connect().execution_options(wq_read=True) as conn, conn.begin():
-            q = _find_queue(conn, url, args.name)
-            done, failed = ops.progress(conn, q.id)
-            live = conn.execute(select(func.count()).select_from(ops.workers).where(
-                ops.workers.c.queue_id == q.id, ops.workers.c.heartbeat_at.is_not(None))).scalar_one()
+        q, done, failed, live = _snapshot(engine, read)
     _confirm(args, f"reset queue {args.name!r} ({done} done and {failed} failed items and its history "
                    "are deleted)")
     if live:
@@ -672,8 +675,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
 def cmd_drop(args: argparse.Namespace) -> int:
     url = _url(args)
     with _checked_engine(args, url) as engine:
-        with engine.connect().execution_options(wq_read=True) as conn, conn.begin():
-            _find_queue(conn, url, args.name)
+        _snapshot(engine, lambda conn: _find_queue(conn, url, args.name))
     _confirm(args, f"drop queue {args.name!r} with its items and history")
     if not admin.drop_queue(args.name, url, args.schema):
         raise QueueNotFound(f"no queue named {args.name!r} in {safe_url(url)} (dropped meanwhile?)")
