@@ -224,7 +224,7 @@ class ClaimRound:
                 "ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = n_done + excluded.n_done")
             self._claim = (
                 f"WITH c AS MATERIALIZED (SELECT id FROM wq_items WHERE queue_id = ? AND state = '{PENDING}' "
-                f"ORDER BY epoch, seq LIMIT {int(n)}) "
+                "ORDER BY epoch, seq LIMIT ?) "
                 f"UPDATE wq_items SET state = '{CLAIMED}', worker_id = ?, token = ?, "
                 f"claimed_at = {_NOW_SQLITE}, lease_until = {_LATER_SQLITE}, done_at = NULL "
                 "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts")
@@ -264,25 +264,27 @@ UNION ALL
 SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
 """
 
-    def run(self, conn: Connection, qid: int, worker_id: int,
-            acks: Sequence[tuple[int, int]]) -> tuple[set[int], list[Claimed], dict[int, str]]:
-        """Returns (ids of acks accepted, items claimed in hand-out order, work by work index)."""
+    def run(self, conn: Connection, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
+            limit: Optional[int] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
+        """Claim up to ``limit`` items (default ``n``). Returns (ids of acks accepted, items
+        claimed in hand-out order, work by work index)."""
         token = new_token()
+        n = self.n if limit is None else limit
         if self.b.is_sqlite:
-            return self._run_sqlite(conn, qid, worker_id, acks, token)
+            return self._run_sqlite(conn, qid, worker_id, acks, token, n)
         params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease,
                   "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
         self._rounds += 1
         floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
         fe, fs = floor or (-1, -1)
-        rows = conn.exec_driver_sql(self._sql, {**params, "fe": fe, "fs": fs, "lim": self.n}).all()
+        rows = conn.exec_driver_sql(self._sql, {**params, "fe": fe, "fs": fs, "lim": n}).all()
         accepted = {r.id for r in rows if r.k == "a"}
         got = [r for r in rows if r.k == "c"]
-        if floor is not None and len(got) < self.n:
+        if floor is not None and len(got) < n:
             # Items below the floor may be pending again (released, expired, a claimer that
             # rolled back): look from the start, in the same transaction, before saying "none".
             rows = conn.exec_driver_sql(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
-                                                    "fe": -1, "fs": -1, "lim": self.n - len(got)}).all()
+                                                    "fe": -1, "fs": -1, "lim": n - len(got)}).all()
             got += [r for r in rows if r.k == "c"]
         self._floor = min(((r.epoch, r.seq) for r in got), default=None)
         claimed = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in got),
@@ -290,7 +292,7 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
         return accepted, claimed, {r.work_idx: r.work for r in got}
 
     def _run_sqlite(self, conn: Connection, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-                    token: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
+                    token: int, n: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
         params: tuple[Any, ...]
         # The driver's own cursor, inside the transaction SQLAlchemy began (BEGIN IMMEDIATE) and
         # will commit: per statement, SQLAlchemy's result machinery costs several times SQLite's
@@ -311,7 +313,7 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
             sql = self._tally
             for epoch, k in per_epoch.items():
                 cur.execute(sql, (qid, epoch, worker_id, k))
-            sql, params = self._claim, (qid, worker_id, token, f"+{self.lease!r} seconds")
+            sql, params = self._claim, (qid, n, worker_id, token, f"+{self.lease!r} seconds")
             rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts)
             evs = [(qid, r[0], r[1], r[2], EV_DONE, worker_id, r[3]) for r in done]
             evs += [(qid, r[0], r[1], r[2], EV_CLAIM, worker_id, token) for r in rows]

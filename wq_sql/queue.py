@@ -431,7 +431,7 @@ class WorkQueue:
         runs, or nothing is claimable now (then ``take()`` makes the next epoch, recovers expired
         leases, waits or raises ``QueueExhausted``, as without prefetching)."""
         self._ensure_process()
-        b, qid, wid = self._backend, self._qid, self._worker_id
+        qid, wid = self._qid, self._worker_id
         with self._lock:
             self._check_usable()
             n = self.lease_ahead - len(self._buffer) - max(0, self._handed - 1)
@@ -441,10 +441,9 @@ class WorkQueue:
             for a in acks:  # in flight: complete()/close() must not act on them a second time
                 del self._acks[a.item_id]
             self._filling = True
-        claim = self._round if n == self.lease_ahead else ops.ClaimRound(b, n, self.lease_seconds,
-                                                                         self.schema)
         try:
-            accepted, got, works = self._tx(lambda c: claim.run(c, qid, wid, [a.key for a in acks]))
+            accepted, got, works = self._tx(
+                lambda c: self._round.run(c, qid, wid, [a.key for a in acks], limit=n))
         except BaseException:
             with self._lock:
                 self._acks.update((a.item_id, a) for a in acks)
