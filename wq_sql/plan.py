@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -55,8 +56,18 @@ def normalize_works(works: Sequence[Work]) -> tuple[str, ...]:
             raise InvalidInput(f"works[{i}] contains a NUL character, which neither backend can store")
         if not w:
             raise InvalidInput(f"works[{i}] is empty after stripping white space")
+        check_text(f"works[{i}]", w)
         out.append(w)
     return tuple(out)
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse text that cannot be stored as UTF-8 (a lone surrogate, e.g. from a bad decode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{what} must be valid Unicode text, got {text!r} (it holds a lone "
+                           "surrogate); pass str decoded from UTF-8") from None
 
 
 def check_num_epochs(num_epochs: object) -> int:
@@ -70,8 +81,8 @@ def check_num_epochs(num_epochs: object) -> int:
 def check_num_slices(num_slices: object) -> Optional[int]:
     if num_slices is None:
         return None
-    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-        raise InvalidInput(f"num_slices must be None or a positive int, got {num_slices!r}")
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or not 1 <= num_slices <= 2**31 - 1:
+        raise InvalidInput(f"num_slices must be None or an int from 1 to 2**31 - 1, got {num_slices!r}")
     return num_slices
 
 
@@ -118,7 +129,91 @@ def epoch_order(n: int, epoch: int, shuffle: bool, seed: int) -> list[int]:
     return order
 
 
-def slice_works(works: tuple[str, ...], num_slices: Optional[int]) -> tuple[str, ...]:
-    """The items of one epoch. Plain file paths cannot be counted, so they stay whole
-    (DeepRec: "num_slices is invalid when reading files"); sliceable sources plug in here."""
-    return works
+def cut(n: int, k: int) -> list[tuple[int, int]]:
+    """``k`` contiguous ranges ``[start, end)`` covering ``[0, n)`` exactly, sizes differing by at
+    most one; needs ``1 <= k <= n`` so that no range is empty.
+
+    >>> cut(10, 3)
+    [(0, 3), (3, 6), (6, 10)]
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot cut {n} records into {k} non-empty ranges")
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def allocate(sizes: Sequence[Optional[int]], num_slices: Optional[int]) -> list[int]:
+    """How many items each work becomes. ``sizes[i]`` is the work's record count (or bytes) for
+    a sliceable work, ``None`` for a work that is handed out whole.
+
+    - A whole work is one item; an empty sliceable work (size 0) is none.
+    - ``num_slices=None``: every non-empty sliceable work is one item.
+    - Otherwise ``num_slices`` is the total per epoch (DeepRec): every non-empty work gets one
+      item, and the rest is spread in proportion to the sizes (largest remainders first), never
+      more items than a work has records. When ``num_slices`` is smaller than the number of
+      non-empty works, each of them is still one item (nothing is dropped); when the works have
+      fewer records than ``num_slices``, every record is its own item.
+
+    >>> allocate([90, 10, None, 0], 11)
+    [9, 1, 1, 0]
+    >>> allocate([3, 100], 100)
+    [3, 97]
+    """
+    counts = [1 if s is None or s > 0 else 0 for s in sizes]
+    if num_slices is None:
+        return counts
+    budget = num_slices - sum(1 for s in sizes if s is None)
+    free = [i for i, s in enumerate(sizes) if s]
+    while free and budget > len(free):
+        total = sum(sizes[i] or 0 for i in free)
+        # Exact quotas budget * size / total as (whole, remainder over total).
+        quota = {i: divmod(budget * (sizes[i] or 0), total) for i in free}
+        full = [i for i in free if quota[i][0] >= (sizes[i] or 0)]
+        if full:  # a work with fewer records than its share: one item per record
+            for i in full:
+                counts[i] = sizes[i] or 0
+                budget -= counts[i]
+            free = [i for i in free if i not in full]
+            continue
+        for i in free:
+            counts[i] = max(1, quota[i][0])
+        # Closest to the quotas: add to the largest remainders, or take from the works most
+        # above their quota (never below one item); ties by position, so every machine agrees.
+        while (diff := budget - sum(counts[i] for i in free)) != 0:
+            if diff > 0:
+                ranked = sorted(free, key=lambda i: (counts[i] * total - budget * (sizes[i] or 0), i))
+                for i in ranked[:diff]:
+                    counts[i] += 1
+            else:
+                ranked = sorted((i for i in free if counts[i] > 1),
+                                key=lambda i: (budget * (sizes[i] or 0) - counts[i] * total, i))
+                for i in ranked[:-diff]:
+                    counts[i] -= 1
+        break
+    return counts
+
+
+@dataclass(frozen=True)
+class PlannedItem:
+    """One row of ``wq_works``: the item string and, for a slice, its bounds as JSON."""
+
+    work: str
+    bounds: Optional[str] = None
+
+
+def slice_name(work: str, start: int, end: int) -> str:
+    """The item string of one slice, in DeepRec's format: ``<work>?start=<s>&end=<e>``.
+
+    >>> slice_name("table:t?key=id", 0, 10)
+    'table:t?key=id&start=0&end=10'
+    """
+    return f"{work}{'&' if '?' in work else '?'}start={start}&end={end}"
+
+
+
+def unslice(item: str) -> str:
+    """The work an item string was cut from (the inverse of :func:`slice_name`).
+
+    >>> unslice("table:t?key=id&start=0&end=10")
+    'table:t?key=id'
+    """
+    return re.sub(r"[?&]start=\d+&end=\d+$", "", item)
