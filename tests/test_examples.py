@@ -80,3 +80,12 @@ def test_long_tail_demo_quick_on_postgres(db_url: str, tmp_path: Path) -> None:
     out = run_example("long_tail_demo.py", "--quick", "--url", db_url, cwd=tmp_path)
     check_demo(out)
     assert not (tmp_path / "long_tail_demo.db").exists()
+
+
+def test_sliced_sources(tmp_path: Path) -> None:
+    out = run_example("sliced_sources.py", cwd=tmp_path)
+    assert "every row and line exactly once: True" in out, out
+    reads = {line.split()[0]: int(line.split()[2]) for line in out.splitlines() if " read " in line}
+    assert sorted(reads) == ["w0", "w1", "w2"] and sum(reads.values()) == 25_000, out
+    assert min(reads["w0"], reads["w1"]) > reads["w2"], out  # the straggler read less
+    assert list(tmp_path.iterdir()) == []

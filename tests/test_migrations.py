@@ -156,7 +156,9 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
 
     # Sanity: the snapshot sees what matters, so equality below means something.
     tables = migrated["tables"]
-    assert set(tables) == {"wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events"}
+    assert set(tables) == {"wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events",
+                           "wq_checkpoints"}
+    assert [c[0] for c in tables["wq_checkpoints"]["checks"]] == ["ck_wq_checkpoints_action"]
     ix = {i[0]: i for i in tables["wq_items"]["indexes"]}
     assert ix["ix_wq_items_pending"][1:] == (("queue_id", "epoch", "seq"), False, "state='pending'")
     assert ix["ix_wq_items_claimed"][1:] == (("queue_id", "worker_id", "lease_until"), False,

@@ -18,19 +18,30 @@ from wq_sql.plan import (
     check_num_epochs,
     check_num_slices,
     check_seed,
+    check_text,
     new_seed,
     normalize_works,
-    slice_works,
 )
+from wq_sql.sources import plan_items
 
 
 def _engine(url: Optional[str | URL], schema: Optional[str]) -> Any:
     return make_engine(resolve_url(url), schema=schema, pool_size=1)
 
 
+def _lookup_name(name: object) -> str:
+    """A queue name to look up: a str the database can store (a lone surrogate, say from
+    undecodable bytes, would fail in the driver with a UnicodeEncodeError)."""
+    if not isinstance(name, str):
+        raise InvalidInput(f"name must be a str, got {type(name).__name__}")
+    check_text("name", name)
+    return name
+
+
 @contextmanager
 def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str]) -> Iterator[tuple[Any, Any]]:
     """One write transaction on the schema-checked database, with queue ``name``'s row."""
+    name = _lookup_name(name)
     engine = _engine(url, schema)
     try:
         migrate.ensure_schema(engine, schema)
@@ -74,25 +85,30 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
     Example: ``create_queue(["a.txt", "b.txt"], num_epochs=2, seed=7, name="train",
     url="sqlite:///q.db")``.
     """
-    from wq_sql.queue import _check_name, _check_prefix, _differences  # the facade's own rules
+    from wq_sql.queue import _check_count, _check_name, _check_prefix, _differences  # the facade's rules
 
-    name = _check_name(name)
+    name = _lookup_name(_check_name(name))
     spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
                      check_seed(seed), check_num_slices(num_slices), _check_prefix(prefix))
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise InvalidInput(f"max_attempts must be a positive int, got {max_attempts!r}")
+    _check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
     engine = _engine(url, schema)
     try:
         migrate.ensure_schema(engine, schema)
         b = Backend(engine.dialect.name)
+        with engine.connect() as conn:
+            exists = ops.find_queue(conn.execution_options(wq_read=True), name) is not None
+        # Counting sliced works reads their sources: outside the short transaction that inserts.
+        items = None if exists else plan_items(spec.works, spec.num_slices, engine, spec.prefix)
         with engine.begin() as conn:
             row = ops.find_queue(conn, name)
             created = False
-            if row is None:
-                qid = ops.create_queue(conn, b, name, spec, slice_works(spec.works, spec.num_slices),
+            if row is None and items is not None:
+                qid = ops.create_queue(conn, b, name, spec, items,
                                        spec.seed if spec.seed is not None else new_seed(), max_attempts)
                 created = qid is not None
                 row = ops.find_queue(conn, name)
+            if row is None:
+                raise QueueNotFound(f"queue {name!r} was dropped while it was being created; try again")
             diffs = _differences(row, spec)
             if diffs:
                 raise QueueConfigMismatch(name, diffs)
@@ -106,7 +122,7 @@ def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str
 
     Stop its workers first: items they hold are forgotten."""
     with _queue_tx(name, url, schema) as (conn, row):
-        for table in (ops.items, ops.events, ops.tallies, ops.workers):
+        for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.checkpoints):
             conn.execute(delete(table).where(table.c.queue_id == row.id))
         conn.execute(update(ops.queues).where(ops.queues.c.id == row.id).values(epochs_created=1))
         ops.insert_epoch(conn, row.id, row.n_works, 0, row.shuffle, row.seed)
@@ -114,6 +130,7 @@ def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str
 
 def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> bool:
     """Delete a queue and everything it holds; returns whether it existed."""
+    name = _lookup_name(name)
     engine = _engine(url, schema)
     try:
         migrate.ensure_schema(engine, schema)
@@ -122,7 +139,7 @@ def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str]
             if row is None:
                 return False
             # Children first: SQLite only cascades with foreign_keys=ON, which other tools may not set.
-            for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.works_t):
+            for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.works_t, ops.checkpoints):
                 conn.execute(delete(table).where(table.c.queue_id == row.id))
             conn.execute(delete(ops.queues).where(ops.queues.c.id == row.id))
             return True

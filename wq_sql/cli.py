@@ -37,7 +37,9 @@ import csv
 import datetime as dt
 import glob
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -46,6 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
+from urllib.parse import quote
 
 from alembic import command
 from alembic.util import CommandError
@@ -56,6 +59,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from wq_sql import admin, migrate, ops, report
 from wq_sql.engine import Backend, make_engine, resolve_url, safe_url
 from wq_sql.errors import QueueNotFound, SchemaOutdated, WqSqlError
+from wq_sql.sources import source_for
 from wq_sql.states import CLAIMED, DONE, FAILED
 
 T = TypeVar("T")
@@ -66,6 +70,11 @@ PG_CONNECT_TIMEOUT = "10"
 AUDIT_FAILED = 2
 # status collapses finished epochs into one line beyond this many epoch rows.
 MAX_EPOCH_ROWS = 12
+# num_epochs is at most 2**62 (wq_sql.plan.check_num_epochs).
+MAX_EPOCHS = 2**62
+MAX_ETA_SECONDS = 100 * 365 * 86400
+# Error lines hide a password of at least this length wherever it appears (see _scrub).
+SCRUB_ANYWHERE = 6
 
 
 class CliError(Exception):
@@ -308,6 +317,9 @@ def _read_works(args: argparse.Namespace) -> list[str]:
             text = sys.stdin.read() if src == "-" else Path(src).read_text(encoding="utf-8")
         except OSError as e:
             raise CliError(f"cannot read --works-from {src!r}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise CliError(f"--works-from {src!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                           "save it as UTF-8, one work per line") from e
         works = [ln.strip() for ln in text.splitlines()]
         works = [w for w in works if w and not w.startswith("#")]
         if not works:
@@ -315,7 +327,7 @@ def _read_works(args: argparse.Namespace) -> list[str]:
         return works
     works = []
     for arg in args.works:
-        if GLOB_CHARS & set(arg):
+        if GLOB_CHARS & set(arg) and source_for(arg) is None:  # table:t?key=id is no glob
             found = sorted(glob.glob(arg, recursive=True))
             if not found:
                 raise CliError(f"--works {arg!r} matches no file (relative to {os.getcwd()}); quote the "
@@ -327,7 +339,7 @@ def _read_works(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
+    if not math.isfinite(args.interval) or args.interval <= 0:
         raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
     url = _url(args)
     with _checked_engine(args, url) as engine:
@@ -385,8 +397,10 @@ def _rate_eta(s: StatusSummary) -> str:
         return "done"
     if not s.rate:
         return "rate: - (no item done in the last minute)  ETA -"
-    eta = dt.timedelta(seconds=round((s.total - s.finished) / s.rate))
-    return f"{s.rate:.1f} items/s  ETA {eta}"
+    seconds = (s.total - s.finished) / s.rate
+    if seconds > MAX_ETA_SECONDS:  # num_epochs may be up to 2**62; a timedelta overflows long before
+        return f"{s.rate:.1f} items/s  ETA more than 100 years"
+    return f"{s.rate:.1f} items/s  ETA {dt.timedelta(seconds=round(seconds))}"
 
 
 def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
@@ -573,6 +587,8 @@ def _audit_csv(a: report.Audit) -> None:
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
+    if args.epoch is not None and not 0 <= args.epoch < MAX_EPOCHS:
+        raise CliError(f"--epoch must be an epoch number from 0 (the first) to 2**62 - 1, got {args.epoch}")
     url = _url(args)
     engine, rev = _engine(args, must_exist=True)
     b = Backend(engine.dialect.name)
@@ -767,7 +783,13 @@ def _scrub(text: str, args: argparse.Namespace) -> str:
     except WqSqlError:
         password = None
     if password:
-        text = text.replace(str(password), "***")
+        pw = str(password)
+        rendered = URL.create("d", username="u", password=pw, host="h").render_as_string(hide_password=False)
+        for form in {pw, quote(pw, safe=""), rendered[len("d://u:"):rendered.rindex("@h")]}:
+            if len(form) >= SCRUB_ANYWHERE:
+                text = text.replace(form, "***")
+            else:  # a short one ("x") only where a URL or a DSN puts it, or "exist" becomes "e***ist"
+                text = re.sub(rf"(:|password=|password=')({re.escape(form)})(@|'|\s|$)", r"\1***\3", text)
     return " ".join(text.split())  # one line
 
 
@@ -778,6 +800,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not hasattr(args, name):
             setattr(args, name, default)
     os.environ.setdefault("PGCONNECT_TIMEOUT", PG_CONNECT_TIMEOUT)
+    bad = _not_utf8(args)
+    if bad:
+        # Undecodable bytes in argv arrive as lone surrogates, which no database can store.
+        print(f"{PROG}: error: {bad} is not valid UTF-8 text; pass names, works and URLs in UTF-8",
+              file=sys.stderr)
+        return 1
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
@@ -793,9 +821,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
 
 
+def _not_utf8(args: argparse.Namespace) -> Optional[str]:
+    """The first argument (its name, never its value: it may be a URL) that is not UTF-8 text."""
+    for name, value in vars(args).items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name.upper() if name == "name" else "--" + name.replace("_", "-")
+    return None
+
+
 def _describe(e: Exception) -> str:
     if isinstance(e, (CliError, WqSqlError)):
         return str(e)
+    if isinstance(e, UnicodeError):
+        return (f"text that is not valid UTF-8 ({e}); names, works (also file names found by a glob) "
+                "and URLs must be UTF-8")
     if isinstance(e, CommandError):
         return (f"{e}; the database may have been migrated by a newer wq_sql: upgrade wq_sql "
                 "(or run with --debug)")

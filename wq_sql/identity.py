@@ -29,9 +29,14 @@ def default_worker_name() -> str:
 
 def check_worker_name(name: object) -> str:
     from wq_sql.errors import InvalidInput
+    from wq_sql.plan import check_text
 
-    if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\x00" in name:
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
         raise InvalidInput(f"worker must be a non-empty str of at most 200 characters, got {name!r}")
+    if "\x00" in name:
+        raise InvalidInput(f"worker must not contain a NUL character, which neither backend can store, "
+                           f"got {name!r}")
+    check_text("worker", name)  # a lone surrogate, e.g. from undecodable bytes (surrogateescape)
     return name.strip()
 
 

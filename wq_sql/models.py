@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from wq_sql.states import CLAIMED, EVENT_KINDS, ITEM_STATES, PENDING
+from wq_sql.states import CHECKPOINT_ACTIONS, CLAIMED, EVENT_KINDS, ITEM_STATES, PENDING
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -92,6 +92,9 @@ class Work(Base):
     queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
     idx: Mapped[int] = mapped_column(Integer, primary_key=True)
     work: Mapped[str] = mapped_column(Text)
+    # Sliced works only: JSON that tells the work's source which records the item reads (for a
+    # table, the key range counted at creation), so reads stay stable while the data changes.
+    bounds: Mapped[Optional[str]] = mapped_column(Text)
 
 
 class Worker(Base):
@@ -152,6 +155,10 @@ class Item(Base):
     lease_until: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
     done_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
     last_error: Mapped[Optional[str]] = mapped_column(Text)
+    # Checkpoint-consistent consumption only: the global step of the holder's checkpoint that
+    # covered this item and made it done (NULL for items done otherwise). Restoring an older
+    # checkpoint re-opens the holder's items with a larger step.
+    ckpt_step: Mapped[Optional[int]] = mapped_column(BigInteger)
 
 
 class Tally(Base):
@@ -186,6 +193,27 @@ class Event(Base):
     token: Mapped[Optional[int]] = mapped_column(BigInteger)
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
     detail: Mapped[Optional[str]] = mapped_column(Text)
+
+
+class CheckpointRecord(Base):
+    """One checkpoint save or restore of one worker (checkpoint-consistent consumption):
+    ``items`` is how many items the save covered (made done) or the restore re-opened;
+    ``ambiguous`` how many hand-outs overlapped the save and were left for a later one."""
+
+    __tablename__ = "wq_checkpoints"
+    __table_args__ = (
+        CheckConstraint(_in("action", CHECKPOINT_ACTIONS), name="action"),
+        Index("ix_wq_checkpoints_queue_worker", "queue_id", "worker_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"))
+    worker_id: Mapped[int] = mapped_column(Integer)
+    action: Mapped[str] = mapped_column(String(10))
+    step: Mapped[Optional[int]] = mapped_column(BigInteger)  # NULL: a restore without checkpoint
+    items: Mapped[int] = mapped_column(Integer)
+    ambiguous: Mapped[int] = mapped_column(Integer, server_default="0")
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
 
 
 # Stable, documented views for auditors. Plain SQL, identical on both backends.

@@ -27,14 +27,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
-from sqlalchemy import Connection, Table, case, func, insert, select, tuple_, update
+from sqlalchemy import Connection, Table, and_, case, func, insert, select, tuple_, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Select
 
 from wq_sql.engine import Backend
-from wq_sql.models import Event, Item, Queue, Tally, Work, Worker
-from wq_sql.plan import QueueSpec, epoch_order
+from wq_sql.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
+from wq_sql.plan import PlannedItem, QueueSpec, epoch_order
 from wq_sql.states import (
+    CK_RESTORE,
+    CK_SAVE,
     CLAIMED,
     DONE,
     EV_CLAIM,
@@ -54,6 +56,7 @@ works_t = cast(Table, Work.__table__)
 workers = cast(Table, Worker.__table__)
 tallies = cast(Table, Tally.__table__)
 events = cast(Table, Event.__table__)
+checkpoints = cast(Table, CheckpointRecord.__table__)
 
 INSERT_CHUNK = 10_000
 
@@ -85,7 +88,7 @@ def find_queue_by_id(conn: Connection, qid: int) -> Any:
     return conn.execute(select(queues).where(queues.c.id == qid)).one()
 
 
-def create_queue(conn: Connection, b: Backend, name: str, spec: QueueSpec, works: Sequence[str],
+def create_queue(conn: Connection, b: Backend, name: str, spec: QueueSpec, works: Sequence[PlannedItem],
                  seed: int, max_attempts: int) -> Optional[int]:
     """Insert the queue, the works of one epoch (``spec.works`` after slicing) and epoch 0;
     ``None`` if a queue of that name exists.
@@ -100,7 +103,8 @@ def create_queue(conn: Connection, b: Backend, name: str, spec: QueueSpec, works
     qid = conn.execute(stmt).scalar_one_or_none()
     if qid is None:
         return None
-    _insert_chunked(conn, works_t, ({"queue_id": qid, "idx": i, "work": w} for i, w in enumerate(works)))
+    _insert_chunked(conn, works_t, ({"queue_id": qid, "idx": i, "work": w.work, "bounds": w.bounds}
+                                    for i, w in enumerate(works)))
     insert_epoch(conn, qid, len(works), 0, spec.shuffle, seed)
     return qid
 
@@ -145,6 +149,14 @@ def extend_epochs(conn: Connection, qid: int, num_epochs: int) -> int:
     return conn.execute(
         update(queues).where(queues.c.id == qid, queues.c.num_epochs <= num_epochs)
         .values(num_epochs=num_epochs).returning(queues.c.num_epochs)).scalar_one_or_none() or 0
+
+
+def item_bounds(conn: Connection, qid: int, item_id: int) -> Optional[tuple[str, Optional[str]]]:
+    """The stored work and bounds of one item (``None``: no such item in this queue)."""
+    on = and_(items.c.queue_id == works_t.c.queue_id, items.c.work_idx == works_t.c.idx)
+    row = conn.execute(select(works_t.c.work, works_t.c.bounds).join(items, on)
+                       .where(items.c.id == item_id, items.c.queue_id == qid)).one_or_none()
+    return None if row is None else (row.work, row.bounds)
 
 
 def works_by_idx(conn: Connection, qid: int, idxs: Sequence[int]) -> dict[int, str]:
@@ -549,6 +561,49 @@ def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool
     return conn.execute(delete(items).where(*in_epochs, items.c.state == DONE)).rowcount
 
 
+
+# ---------------------------------------------------------------- checkpoint-consistent consumption
+
+
+def cover(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequence[tuple[int, int]],
+          step: int, ambiguous: int) -> set[int]:
+    """A model checkpoint at global ``step`` covers these claimed items: mark them done, stamped
+    with ``step`` (``ckpt_step`` and the ``done`` event's detail), fenced by ``(id, token)`` like
+    :func:`complete`, and record the save in ``wq_checkpoints``. Returns the ids accepted."""
+    rows: list[Any] = []
+    if pairs:
+        rows = list(conn.execute(
+            update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+            .values(state=DONE, done_at=b.now(), lease_until=None, ckpt_step=step)
+            .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)))
+        _log(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step}")
+        _tally(conn, b, qid, rows, "n_done", worker_id)
+    conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_SAVE, step=step,
+                                            items=len(rows), ambiguous=ambiguous, at=b.now()))
+    return {r.id for r in rows}
+
+
+def reopen_after(conn: Connection, b: Backend, qid: int, worker_id: int, step: Optional[int]) -> int:
+    """The worker restored its model from the checkpoint at ``step`` (``None``: from none): put
+    every item a later checkpoint of this worker had covered back to ``pending`` (``requeue``
+    events saying why, counters corrected), and record the restore. Returns how many."""
+    cond = [items.c.queue_id == qid, items.c.worker_id == worker_id, items.c.state == DONE,
+            items.c.ckpt_step.is_not(None)]
+    if step is not None:
+        cond.append(items.c.ckpt_step > step)
+    locked = select(items.c.id).where(*cond).with_for_update().cte("r").prefix_with("MATERIALIZED")
+    rows = conn.execute(
+        update(items).where(items.c.id == locked.c.id, items.c.state == DONE)
+        .values(state=PENDING, token=None, lease_until=None, done_at=None, ckpt_step=None)
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id)).all()
+    why = (f"model restored from checkpoint step {step}" if step is not None
+           else "model restored without a checkpoint")
+    _log(conn, b, qid, EV_REQUEUE, rows, worker_id, why)
+    _untally(conn, qid, rows, "n_done")
+    conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_RESTORE, step=step,
+                                            items=len(rows), ambiguous=0, at=b.now()))
+    return len(rows)
+
 # ---------------------------------------------------------------- operator actions
 
 
@@ -576,7 +631,8 @@ def requeue(conn: Connection, b: Backend, qid: int, from_state: str, *, epoch: O
     # A MATERIALIZED CTE locks the rows first (Postgres re-checks the state of a row a concurrent
     # ack changed meanwhile); on SQLite the caller's BEGIN IMMEDIATE serialises writers.
     locked = select(items.c.id).where(*cond).with_for_update().cte("r").prefix_with("MATERIALIZED")
-    values: dict[str, Any] = {"state": PENDING, "token": None, "lease_until": None, "done_at": None}
+    values: dict[str, Any] = {"state": PENDING, "token": None, "lease_until": None, "done_at": None,
+                              "ckpt_step": None}
     if from_state == FAILED:
         values.update(attempts=0, last_error=None)
     rows = conn.execute(
@@ -599,8 +655,9 @@ def _untally(conn: Connection, qid: int, rows: Iterable[Any], column: str) -> No
     for (epoch, wid), k in counts.items():
         where = [tallies.c.queue_id == qid, tallies.c.epoch == epoch]
         if wid is not None:
-            left = k - conn.execute(update(tallies).where(*where, tallies.c.worker_id == wid, col >= k)
-                                    .values({column: col - k})).rowcount
+            moved = conn.execute(update(tallies).where(*where, tallies.c.worker_id == wid, col >= k)
+                                 .values({column: col - k})).rowcount
+            left = 0 if moved else k
         else:
             left = k
         while left > 0:

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
@@ -41,21 +41,24 @@ from wq_sql.identity import (
     process_start,
 )
 from wq_sql.migrate import ensure_schema
+from wq_sql.pacer import JustInTime, Pace
 from wq_sql.plan import (
     QueueSpec,
     Work,
     check_num_epochs,
     check_num_slices,
     check_seed,
+    check_text,
     new_seed,
     normalize_works,
-    slice_works,
 )
+from wq_sql.sources import plan_items, read_slice
 
 log = logging.getLogger("wq_sql")
 T = TypeVar("T")
 
 _live: weakref.WeakSet[WorkQueue] = weakref.WeakSet()
+_RECENT = 4096  # hand-outs that read() finds by their string alone
 
 
 class WorkItem(str):
@@ -118,7 +121,9 @@ class WorkQueue:
     heartbeating; ``lease_ahead`` how many items one round trip claims; ``max_attempts`` how many
     failed deliveries (``fail()``, expired lease, crash) make an item ``failed``.
     ``auto_complete=False`` makes ``take()`` stop marking earlier items done: call
-    ``complete(item)`` yourself.
+    ``complete(item)`` yourself. ``claim_ahead=True`` claims the next item in a background
+    thread shortly before this worker is expected to take it (by its own pace), so ``take()``
+    rarely waits for the database (see :mod:`wq_sql.pacer`).
     """
 
     def __init__(self, works: Optional[Sequence[Work]], num_epochs: int = 1, shuffle: bool = True,
@@ -129,28 +134,28 @@ class WorkQueue:
                  auto_complete: bool = True, max_item_seconds: Optional[float] = None,
                  heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
                  busy_timeout: float = 30.0, schema: Optional[str] = None,
-                 engine: Optional[Engine] = None) -> None:
+                 engine: Optional[Engine] = None, claim_ahead: bool = False) -> None:
         self.name = _check_name(name)
         self._attach = works is None
         if not self._attach:
             assert works is not None
             spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
                              check_seed(seed), check_num_slices(num_slices), _check_prefix(prefix))
-        _check_positive("lease_seconds", lease_seconds)
+        _check_seconds("lease_seconds", lease_seconds)
         _check_positive("busy_timeout", busy_timeout)
         _check_positive("poll_seconds", poll_seconds)
-        if isinstance(lease_ahead, bool) or not isinstance(lease_ahead, int) or lease_ahead < 1:
-            raise InvalidInput(f"lease_ahead must be a positive int, got {lease_ahead!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise InvalidInput(f"max_attempts must be a positive int, got {max_attempts!r}")
+        _check_count("lease_ahead", lease_ahead)
+        _check_count("max_attempts", max_attempts)
         if max_item_seconds is not None:
-            _check_positive("max_item_seconds", max_item_seconds)
+            _check_seconds("max_item_seconds", max_item_seconds)
+        if heartbeat_seconds is not None:
+            _check_seconds("heartbeat_seconds", heartbeat_seconds)
         self.lease_seconds = float(lease_seconds)
         self.lease_ahead = lease_ahead
         self.auto_complete = auto_complete
         self.max_item_seconds = max_item_seconds
-        self.heartbeat_seconds = float(heartbeat_seconds or min(self.lease_seconds / 6.0, 5.0))
-        _check_positive("heartbeat_seconds", self.heartbeat_seconds)
+        self.heartbeat_seconds = float(heartbeat_seconds if heartbeat_seconds is not None
+                                       else min(self.lease_seconds / 6.0, 5.0))
         if self.heartbeat_seconds * 2 > self.lease_seconds:
             raise InvalidInput("heartbeat_seconds must be at most half of lease_seconds, or leases "
                                "of live workers would expire between two heartbeats")
@@ -177,6 +182,10 @@ class WorkQueue:
         self._gate = _TxGate()
         self._filling = False                        # a prefetch() round trip is in flight
         self._handed = 0                             # items of the last take_many()
+        self._recent: OrderedDict[str, WorkItem] = OrderedDict()  # last hand-outs, for read(str)
+        self.claim_ahead = bool(claim_ahead)
+        self._pace = Pace()                          # how often this worker takes items
+        self._jit: Optional[JustInTime] = None       # claims the next item just in time
         self._filled = threading.Condition(self._lock)
 
         try:
@@ -221,11 +230,17 @@ class WorkQueue:
         ``busy_timeout``, then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a
         restart, ``pg_terminate_backend``), a deadlock or a serialization failure (up to
         ``busy_timeout`` too). Each retry reruns the whole transaction."""
-        deadline = time.monotonic() + self.busy_timeout
+        start = time.monotonic()
+        deadline = start + self.busy_timeout
         delay = 0.01
+        outage = False
         while True:
             try:
-                return fn()
+                result = fn()
+                if outage:
+                    log.warning("queue %r: the database is back after %.1fs; continuing", self.name,
+                                time.monotonic() - start)
+                return result
             except DBAPIError as e:
                 why = _transient(e, self._backend)
                 if why is None:
@@ -236,6 +251,11 @@ class WorkQueue:
                             f"the SQLite database {safe_url(self._url)} stayed locked for "
                             f"{self.busy_timeout:.0f}s; raise busy_timeout= or use fewer writers") from None
                     raise
+                if why in ("disconnected", "cannot connect") and not outage:
+                    # Operators should see a restart or failover, not only DEBUG logs.
+                    log.warning("queue %r: database connection lost (%s); retrying for up to %.0fs "
+                                "(busy_timeout)", self.name, why, self.busy_timeout)
+                    outage = True
                 log.debug("retrying transaction: %s", why)
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
@@ -249,7 +269,7 @@ class WorkQueue:
                                 "with WorkQueue(works, name=...) first")
         if row is None:
             assert spec is not None
-            items = slice_works(spec.works, spec.num_slices)
+            items = plan_items(spec.works, spec.num_slices, self._engine, spec.prefix)  # no transaction
             seed = spec.seed if spec.seed is not None else new_seed()
 
             def create(c: Connection) -> tuple[Optional[int], Any]:
@@ -357,7 +377,16 @@ class WorkQueue:
                     got = [self._buffer.popleft() for _ in range(min(max(1, n), len(self._buffer)))]
                     for item in got:
                         self._out[item.item_id] = item
+                        self._recent[item] = item
+                        self._recent.move_to_end(item)
+                    while len(self._recent) > _RECENT:
+                        self._recent.popitem(last=False)
                     self._handed = len(got)
+                    self._pace.handed_out(time.monotonic())
+                    if self.claim_ahead:
+                        if self._jit is None or not self._jit.alive():
+                            self._jit = JustInTime(self)
+                        self._jit.schedule(self._pace)
                     return got
             self._wait(deadline)
 
@@ -367,6 +396,10 @@ class WorkQueue:
         up to ``poll_seconds``, until an item may be claimable or the queue is finished. The
         lock is not held, so other threads can complete items meanwhile."""
         pause = 0.02
+        # Poll about as often as this worker took items while it had work (never more than every
+        # 20 ms, never less than every poll_seconds): at the end of a drain, the others' last
+        # items take about that long, and a 1 s backoff would add up to 1 s to the job.
+        cap = min(self.poll_seconds, max(pause, self._pace.interval or self.poll_seconds))
         total = self.items_per_epoch * self.num_epochs
         while True:
             if deadline is not None and time.monotonic() >= deadline:
@@ -376,7 +409,7 @@ class WorkQueue:
             if deadline is not None:
                 sleep = max(0.0, min(sleep, deadline - time.monotonic()))
             time.sleep(sleep)
-            pause = min(pause * 2, self.poll_seconds)
+            pause = min(pause * 2, cap)
             pending, expired, finished, created = self._tx(
                 lambda c: ops.peek(c, self._backend, self._qid), read=True)
             if pending or expired or finished >= total or created != self._epochs_created:
@@ -487,6 +520,33 @@ class WorkQueue:
                         len(lost), self.name, ", ".join(f"(epoch {i.epoch}, seq {i.seq})" for i in lost))
         return lost
 
+    # ------------------------------------------------------------------ reading sliced works
+
+    def read(self, item: str, **options: Any) -> Iterator[Any]:
+        """The records of a sliced item (``table:``/``lines:`` works, or a registered source), read
+        from its source by the bounds stored at creation. ``item`` is what :meth:`take` returned
+        (or its string, among this object's last 4096 hand-outs). Options go to the source, e.g.
+        ``columns=["id", "text"]`` for tables. A table row is a tuple, a line is ``bytes``."""
+        held = item if isinstance(item, WorkItem) else self._recent.get(item)
+        if held is None:
+            raise InvalidInput(f"{item!r} is not among the items this queue object handed out "
+                               "recently; pass what take() returned")
+        found = self._tx(lambda c: ops.item_bounds(c, self._qid, held.item_id), read=True)
+        if found is None:
+            raise InvalidInput(f"{item!r} is not an item of queue {self.name!r}")
+        work, bounds = found
+        if bounds is None:
+            raise InvalidInput(f"{work!r} is a plain work, handed out whole: read it with your own "
+                               "reader (only table:, lines: and registered sources are sliced)")
+        return read_slice(bounds, self._engine, **options)
+
+    def records(self, **options: Any) -> Iterator[Any]:
+        """Every record of every item this worker takes, item after item: ``for row in
+        wq.records(): ...``. An item is done when the next one is taken (``auto_complete``), so
+        after a crash the records of at most the item in progress are read again."""
+        for item in self:
+            yield from self.read(item, **options)
+
     # ------------------------------------------------------------------ explicit control
 
     def _find(self, item: str) -> WorkItem:
@@ -534,6 +594,40 @@ class WorkQueue:
             raise LeaseLost(f"cannot {action} {held!r} (epoch {held.epoch}, seq {held.seq}): its lease "
                             "expired and another worker holds or finished it")
 
+    # ------------------------------------------------------------------ checkpoint-consistent consumption
+
+    def cover(self, items: Sequence[WorkItem], step: int, ambiguous: int = 0) -> list[WorkItem]:
+        """A model checkpoint at global ``step`` covers ``items`` (handed out, not yet done): mark
+        them done in one transaction, stamped with ``step``, and record the save in
+        ``wq_checkpoints`` (``ambiguous``: hand-outs the caller left for a later save). Use with
+        ``auto_complete=False``; :mod:`wq_sql.tf` calls it. Returns the items whose lease was lost
+        (another worker holds or finished them); they are logged, not raised."""
+        self._ensure_process()
+        b, qid, wid = self._backend, self._qid, self._worker_id
+        with self._lock:
+            self._check_usable()
+            held = [i for i in items if self._out.get(i.item_id) is i]
+            accepted = self._tx(lambda c: ops.cover(c, b, qid, wid, [i.key for i in held], int(step),
+                                                    ambiguous))
+            for i in held:
+                self._out.pop(i.item_id, None)
+            return self._settle_acks(held, accepted)
+
+    def reopen_after(self, step: Optional[int]) -> int:
+        """This worker's model was restored from its checkpoint at global ``step`` (``None``: from
+        no checkpoint): put back to the queue every item that a later checkpoint of this worker
+        identity had covered (:meth:`cover`). Items it still held come back through same-identity
+        recovery. Returns how many items were re-opened."""
+        self._ensure_process()
+        b, qid, wid = self._backend, self._qid, self._worker_id
+        with self._lock:
+            self._check_usable()
+            n = self._tx(lambda c: ops.reopen_after(c, b, qid, wid, None if step is None else int(step)))
+        if n:
+            log.warning("worker %r restored from checkpoint step %s: %d item(s) covered by later "
+                        "checkpoints went back to queue %r", self.worker, step, n, self.name)
+        return n
+
     # ------------------------------------------------------------------ progress and lifecycle
 
     def progress(self) -> Progress:
@@ -555,6 +649,9 @@ class WorkQueue:
 
     def close(self, *, _failed: Optional[BaseException] = None) -> None:
         """Acknowledge what was handed out, give back what was claimed ahead, and leave."""
+        jit = self._jit
+        if jit is not None and os.getpid() == self._pid:
+            jit.stop()  # outside the lock: its claim in flight needs the lock to finish
         with self._lock:
             if self._closed:
                 return
@@ -627,6 +724,8 @@ class WorkQueue:
             self._pid = os.getpid()
             self._filling = False
             self._handed = 0
+            self._jit = None  # the parent's thread does not exist here
+            self._pace = Pace()
             self._buffer.clear()
             self._out.clear()
             self._acks.clear()
@@ -715,8 +814,11 @@ def _differences(row: Any, spec: QueueSpec) -> list[str]:
 
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name or len(name) > 200 or "\x00" in name:
+    if isinstance(name, str) and "\x00" in name:
+        raise InvalidInput("name contains a NUL character, which neither backend can store")
+    if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidInput(f"name must be a non-empty str of at most 200 characters, got {name!r}")
+    check_text("name", name)
     return name
 
 
@@ -730,12 +832,27 @@ def _check_prefix(prefix: object) -> Optional[str]:
             raise InvalidInput(f"prefix is not valid UTF-8 ({e}); pass str or UTF-8 bytes") from None
     if not isinstance(prefix, str) or "\x00" in prefix:
         raise InvalidInput(f"prefix must be None or a str without NUL, got {prefix!r}")
+    check_text("prefix", prefix)
     return prefix
 
 
 def _check_positive(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise InvalidInput(f"{what} must be a positive number, got {value!r}")
+
+
+def _check_seconds(what: str, value: object) -> None:
+    """A duration the database adds to its clock: positive and at most 1e9 s (31 years), so it
+    stays a valid interval (Postgres) and timestamp (SQLite)."""
+    _check_positive(what, value)
+    if not value <= 1e9:  # type: ignore[operator]
+        raise InvalidInput(f"{what} must be at most 1e9 seconds (about 31 years), got {value!r}")
+
+
+def _check_count(what: str, value: object) -> None:
+    """A count stored in a 32-bit INTEGER column."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+        raise InvalidInput(f"{what} must be an int from 1 to 2**31 - 1, got {value!r}")
 
 
 @atexit.register

@@ -31,3 +31,9 @@ EV_RECOVER = "recover"      # claimed -> claimed by a restarted worker of the sa
 EV_REQUEUE = "requeue"      # done/failed -> pending, operator action
 
 EVENT_KINDS = (EV_CLAIM, EV_DONE, EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER, EV_REQUEUE)
+
+# Rows of wq_checkpoints (checkpoint-consistent consumption, wq_sql.tf).
+CK_SAVE = "save"            # a checkpoint covered the items handed out before it: done
+CK_RESTORE = "restore"      # a restore re-opened the items later checkpoints had covered
+
+CHECKPOINT_ACTIONS = (CK_SAVE, CK_RESTORE)

@@ -1,0 +1,128 @@
+"""``claim_ahead=True``: the next item is claimed in the background just before this worker's
+pace says it will be wanted, so ``take()`` finds it buffered; and idle polling follows the pace."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+from conftest import ROOT
+
+from wq_sql import QueueExhausted, WorkQueue
+from wq_sql.engine import make_engine, resolve_url
+
+
+def states(url: str) -> collections.Counter[str]:
+    engine = sa.create_engine(resolve_url(url))
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT state, attempts FROM wq_items")).all()
+    engine.dispose()
+    return collections.Counter(f"{s}/{a}" for s, a in rows)
+
+
+def test_take_finds_the_next_item_claimed_just_in_time(db_url: str) -> None:
+    engine = make_engine(resolve_url(db_url))
+    statements: list[tuple[float, str]] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def _record(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        statements.append((time.monotonic(), statement))
+
+    wq = WorkQueue([f"w{i}" for i in range(12)], shuffle=False, engine=engine, claim_ahead=True,
+                   heartbeat_seconds=5)
+    waits = []
+    for _ in range(10):
+        t = time.monotonic()
+        wq.take()
+        waits.append([s for at, s in statements if at >= t])
+        time.sleep(0.1)  # the "step"
+    # After the pace is known (two hand-outs), take() issues no statement: the item was claimed
+    # in the background during the step.
+    claims_in_take = sum(1 for w in waits[3:] for s in w if "UPDATE" in s.upper() or "RETURNING" in s.upper())
+    assert claims_in_take == 0, waits[3:]
+    # At most one item claimed ahead: claimed = the one in hand + the one just claimed.
+    assert states(db_url)["claimed/0"] <= 2
+    wq.close()
+    assert states(db_url) == {"done/0": 10, "pending/0": 2}  # close() gave the buffered one back
+    engine.dispose()
+
+
+def test_without_claim_ahead_take_claims_itself(db_url: str) -> None:
+    engine = make_engine(resolve_url(db_url))
+    claims = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def _record(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        claims.append(statement)
+
+    wq = WorkQueue([f"w{i}" for i in range(6)], engine=engine, heartbeat_seconds=5)
+    for _ in range(5):
+        wq.take()
+        n = len(claims)
+        time.sleep(0.05)
+        assert len(claims) == n  # nothing is claimed behind the worker's back
+    wq.close()
+    engine.dispose()
+
+
+WORKER = """
+import sys, time
+from wq_sql import WorkQueue
+url, name, out = sys.argv[1], sys.argv[2], sys.argv[3]
+with WorkQueue([f"item-{i}" for i in range(120)], num_epochs=2, seed=1, url=url, worker=name,
+               claim_ahead=True) as wq, open(out, "w") as f:
+    for item in wq:
+        time.sleep(0.01 if name != "slow" else 0.04)
+        f.write(f"{item.epoch} {item}\\n")
+"""
+
+
+def test_several_processes_claiming_ahead_take_every_item_once(db_url: str, tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    outs = {n: tmp_path / f"{n}.txt" for n in ("a", "b", "slow")}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, db_url, n, str(o)], env=env, text=True,
+                              stderr=subprocess.PIPE) for n, o in outs.items()]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    lines = collections.Counter(line for o in outs.values() for line in o.read_text().splitlines())
+    assert lines == collections.Counter(f"{e} item-{i}" for e in range(2) for i in range(120))
+    counts = {n: len(o.read_text().splitlines()) for n, o in outs.items()}
+    assert counts["slow"] < min(counts["a"], counts["b"]), counts
+    assert states(db_url) == {"done/0": 240}
+
+
+def test_an_idle_worker_polls_at_its_own_pace(db_url: str) -> None:
+    """A worker that waits for another's last item notices the end about as fast as it used to
+    take items, not after a poll_seconds backoff."""
+    a = WorkQueue([f"w{i}" for i in range(6)], url=db_url, worker="a", poll_seconds=20)
+    b = WorkQueue.attach(url=db_url, worker="b")
+    for _ in range(5):
+        a.take()
+        time.sleep(0.02)
+    last = b.take()
+    a._acks.update(a._out)  # hand a's items in with its next round trip
+    a._out.clear()
+    ended = []
+
+    def wait_for_end() -> None:
+        try:
+            a.take()
+        except QueueExhausted:
+            ended.append(time.monotonic())
+
+    t = threading.Thread(target=wait_for_end)
+    t.start()
+    time.sleep(3.0)  # a backoff towards 20 s would now sleep about 2.5 s between polls
+    b.complete(last)
+    done_at = time.monotonic()
+    t.join(timeout=30)
+    assert ended, "a never saw the end"
+    assert ended[0] - done_at < 1.0, "the idle poll backed off towards poll_seconds=20"
+    a.close()
+    b.close()
