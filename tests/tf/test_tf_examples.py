@@ -41,12 +41,29 @@ def test_tf_reader(tmp_path: Path) -> None:
     ]
 
 
+def test_tf_table_reader(tmp_path: Path) -> None:
+    assert run_example("tf_table_reader.py", tmp_path) == [
+        "items per epoch: 10",
+        "records: 1000",
+        "every row exactly once: True",
+    ]
+
+
 def test_tf_keras_fit(tmp_path: Path) -> None:
     assert run_example("tf_keras_fit.py", tmp_path) == [
         "steps: 24",
         "items done: 12 of 12",
         "loss went down: True",
         "accuracy on new points above 0.9: True",
+    ]
+
+
+def test_tf_checkpoint_resume(tmp_path: Path) -> None:
+    assert run_example("tf_checkpoint_resume.py", tmp_path) == [
+        "first run: killed by SIGKILL at step 13: True",
+        "second run: restored ckpt-10, trained to step 30",
+        "records: 120, every record trained exactly once: True",
+        "items done: 12 of 12",
     ]
 
 
