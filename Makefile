@@ -39,12 +39,18 @@ lint: $(VENV)/.core  ## ruff
 	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
 
-bench: $(VENV)/.core  ## run the benchmarks of BENCHMARKS.md (tens of minutes; needs PostgreSQL)
+bench: $(VENV)/.core  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
 	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
 	$(BIN)/python bench/claim_throughput.py && $(BIN)/python bench/long_tail.py && \
 	$(BIN)/python bench/long_tail.py --backend postgresql && \
 	$(BIN)/python bench/scale.py create --backend sqlite && $(BIN)/python bench/scale.py create --backend postgresql && \
-	$(BIN)/python bench/scale.py drain --backend postgresql --n 100000
+	$(BIN)/python bench/scale.py drain --backend postgresql --cluster --n 1000000 && \
+	$(BIN)/python bench/scale.py drain --backend postgresql --cluster --n 10000 --epochs 10 && \
+	$(BIN)/python bench/scale.py rollover --backend postgresql --cluster && \
+	$(BIN)/python bench/scale.py rollover --backend sqlite && \
+	$(BIN)/python bench/scale.py memory --backend sqlite && $(BIN)/python bench/scale.py memory --backend postgresql && \
+	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
+	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
 
 clean:  ## remove the venv and local databases
 	rm -rf $(VENV) *.db *.db-wal *.db-shm

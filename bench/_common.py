@@ -10,6 +10,7 @@ is the admin URL; each benchmark creates its own ``wq_bench_*`` database there a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -27,7 +28,10 @@ from typing import Any, Optional
 import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# ``$WQ_SQL_BENCH_SRC``: import wq_sql from another tree (e.g. ``git archive HEAD wq_sql migrations |
+# tar -x -C /tmp/wq_head``), to measure a fixed revision while the checkout is being edited.
+SRC = Path(os.environ.get("WQ_SQL_BENCH_SRC") or ROOT)
+sys.path.insert(0, str(SRC))
 
 from wq_sql.engine import resolve_url  # noqa: E402
 
@@ -146,11 +150,69 @@ def machine() -> dict[str, Any]:
 
 def git_rev() -> Optional[str]:
     with contextlib.suppress(Exception):
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() + (" (dirty)" if subprocess.run(
-                                  ["git", "status", "--porcelain", "wq_sql"], cwd=ROOT, capture_output=True,
-                                  text=True).stdout.strip() else "")
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+        if SRC != ROOT:
+            return f"{rev} checkout; wq_sql imported from {SRC}"
+        return rev + (" (dirty)" if subprocess.run(
+            ["git", "status", "--porcelain", "wq_sql"], cwd=ROOT, capture_output=True,
+            text=True).stdout.strip() else "")
     return None
+
+
+# ---------------------------------------------------------------- a throwaway Postgres cluster
+
+
+def add_pg_args(ap: argparse.ArgumentParser) -> None:
+    """``--pg ADMIN_URL`` (the shared server), or ``--cluster`` (a throwaway one, below)."""
+    ap.add_argument("--pg", default=PG_ADMIN, help="admin URL of the Postgres server (scratch databases)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="run on a throwaway cluster (tests/pgcluster.py: initdb + pg_ctl on a free port) "
+                         "with initdb's stock settings plus --pg-set, instead of --pg")
+    ap.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="with --cluster: a postgresql.conf setting (repeatable)")
+
+
+@contextlib.contextmanager
+def pg_server(a: argparse.Namespace, settings: Optional[dict[str, str]] = None) -> Iterator[str]:
+    """The admin URL to run on: ``a.pg``, or with ``a.cluster`` a throwaway cluster (stock
+    settings plus ``settings`` plus ``--pg-set``), stopped and deleted afterwards."""
+    if not getattr(a, "cluster", False):
+        yield a.pg
+        return
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pgcluster import PgCluster  # the tests' throwaway cluster
+
+    conf = dict(settings or {})
+    conf.update(kv.split("=", 1) for kv in a.pg_set)
+    # Not in /tmp: one cluster's data directory there disappeared mid-benchmark (most likely a
+    # cleanup of leftover /tmp/wq_sql_pgcluster.* by a test run) and the server shut down.
+    base = Path(os.environ.get("WQ_SQL_BENCH_TMP") or "/var/tmp/wq_bench_clusters")
+    base.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with PgCluster(dict(conf), base_dir=str(base)) as pg:
+        print(f"# throwaway cluster {pg.url()} (data in {pg.dir}), settings beyond initdb's: {conf}", flush=True)
+        yield pg.url()
+
+
+def server_settings(admin: str) -> dict[str, str]:
+    """The settings that shape the Postgres figures, as the server reports them."""
+    names = ("server_version", "autovacuum", "autovacuum_naptime", "autovacuum_vacuum_scale_factor",
+             "autovacuum_vacuum_insert_scale_factor", "max_connections", "shared_buffers",
+             "synchronous_commit", "fsync")
+    eng = sa.create_engine(resolve_url(admin))
+    try:
+        with eng.connect() as c:
+            return {n: c.exec_driver_sql(f"SHOW {n}").scalar_one() for n in names}
+    finally:
+        eng.dispose()
+
+
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident memory (``VmRSS``) or its peak (``VmHWM``), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
 
 
 def dump(path: Optional[str], data: Any) -> None:

@@ -19,6 +19,14 @@ Reported: items/s (sum over processes), ratio to ``raw``, p50/p99 latency of a r
 
     .venv/bin/python bench/claim_throughput.py                      # both backends
     .venv/bin/python bench/claim_throughput.py --backends postgresql --procs 1,2,4,8 --repeats 3
+    # 16 processes, and 256 concurrent connections (8 processes x 32 threads, one connection each),
+    # on a throwaway cluster (tests/pgcluster.py) with max_connections = 300:
+    .venv/bin/python bench/claim_throughput.py --backends postgresql --cluster --procs 16
+    .venv/bin/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
+
+With ``--threads T`` each process runs T loops in threads, each with its own connection (its own
+``WorkQueue``, or psycopg2 connection); those ``WorkQueue``s get ``lease_seconds=600,
+heartbeat_seconds=300`` so that no heartbeat opens a second connection during the run.
 
 Every run starts from a pristine copy of a template database (Postgres: ``CREATE DATABASE ...
 TEMPLATE``; SQLite: a file copy), so dead tuples of one run never slow the next.
@@ -40,7 +48,17 @@ from typing import Any
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PG_ADMIN, dump, git_rev, machine, median, pct, pg_url  # noqa: E402
+from _common import (  # noqa: E402
+    add_pg_args,
+    dump,
+    git_rev,
+    machine,
+    median,
+    pct,
+    pg_server,
+    pg_url,
+    server_settings,
+)
 
 from wq_sql import WorkQueue  # noqa: E402
 from wq_sql.engine import Backend, resolve_url  # noqa: E402
@@ -92,13 +110,14 @@ def _raw_worker_id(cur: Any, qid: int, name: str, pg: bool) -> int:
     return int(cur.fetchone()[0])
 
 
-def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, seconds: float) -> tuple[int, float, list[float]]:
+def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, seconds: float) -> tuple[int, float, list[float], float]:
     pg = not url.startswith("sqlite")
     token = 0
     lat: list[float] = []
     count = 0
     if pg:
         import psycopg2
+        import psycopg2.errors
 
         u = resolve_url(url)
         conn = psycopg2.connect(host=u.host, port=u.port or 5432, user=u.username, dbname=u.database,
@@ -112,24 +131,31 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         acks: list[tuple[int, int]] = []
         ready.set()
         go.wait()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         while time.perf_counter() - t0 < seconds:
             token += 1
             t = time.perf_counter()
-            cur.execute(sql, {"q": qid, "w": wid, "t": token, "lease": 60.0, "fe": -1, "fs": -1, "lim": n,
-                              "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]})
-            rows = cur.fetchall()
-            conn.commit()
+            try:
+                cur.execute(sql, {"q": qid, "w": wid, "t": token, "lease": 60.0, "fe": -1, "fs": -1, "lim": n,
+                                  "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]})
+                rows = cur.fetchall()
+                conn.commit()
+            except psycopg2.errors.DeadlockDetected:
+                # Seen with 256 concurrent raw loops at batch 32; wq_sql retries a deadlock too
+                # (queue._transient), so the reference does the same: roll back, run the round again.
+                conn.rollback()
+                print(f"{name}: deadlock, round retried", file=sys.stderr)
+                continue
             lat.append(time.perf_counter() - t)
             got = [r for r in rows if variant == "raw" or r[0] == "c"]
             if not got:
                 break
             acks = [((r[0] if variant == "raw" else r[1]), token) for r in got]
             count += len(got)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
         conn.close()
-        return count, elapsed, lat
-    path = resolve_url(url).database
+        return count, elapsed, lat, cpu
+    path = str(resolve_url(url).database)
     conn = sqlite3.connect(path, isolation_level=None, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
@@ -144,7 +170,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
     acks = []
     ready.set()
     go.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     while time.perf_counter() - t0 < seconds:
         token += 1
         t = time.perf_counter()
@@ -160,7 +186,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
                 per[r[1]] = per.get(r[1], 0) + 1
             for e, k in per.items():
                 cur.execute(rnd._tally, (qid, e, wid, k))
-            rows = cur.execute(rnd._claim, (qid, wid, token, "+60.0 seconds")).fetchall()
+            rows = cur.execute(rnd._claim, (qid, n, wid, token, "+60.0 seconds")).fetchall()
             evs = [(qid, r[0], r[1], r[2], "done", wid, r[3]) for r in done]
             evs += [(qid, r[0], r[1], r[2], "claim", wid, token) for r in rows]
             if evs:
@@ -176,18 +202,19 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
             break
         acks = [(r[0], token) for r in rows]
         count += len(rows)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
     conn.close()
-    return count, elapsed, lat
+    return count, elapsed, lat, cpu
 
 
-def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float) -> tuple[int, float, list[float]]:
-    wq = WorkQueue.attach(QUEUE, url=url, worker=name, lease_ahead=n)
+def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float,
+            **kw: Any) -> tuple[int, float, list[float], float]:
+    wq = WorkQueue.attach(QUEUE, url=url, worker=name, lease_ahead=n, **kw)
     lat: list[float] = []
     count = 0
     ready.set()
     go.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
         while time.perf_counter() - t0 < seconds:
             trip = not wq._buffer  # this take() goes to the database
@@ -198,22 +225,51 @@ def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float) ->
             count += 1
     except Exception as e:  # QueueExhausted: the queue was too small for --seconds
         print(f"worker {name}: {type(e).__name__} after {count}", file=sys.stderr)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
     wq.close()
-    return count, elapsed, lat
+    return count, elapsed, lat, cpu
 
 
-def _child(variant: str, url: str, n: int, name: str, ready: Any, go: Any, seconds: float, out: Any) -> None:
-    try:
-        if variant == "wq_sql":
-            res = _run_wq(url, n, name, ready, go, seconds)
-        else:
-            res = _run_raw(url, variant, n, name, ready, go, seconds)
-        out.put(res)
-    except BaseException as e:
-        ready.set()
-        out.put(e)
-        raise
+def _child(variant: str, url: str, n: int, name: str, ready: Any, go: Any, seconds: float, out: Any,
+           threads: int = 1) -> None:
+    """One worker process: one loop, or ``threads`` loops in threads (each with its own
+    connection: a ``WorkQueue`` of its own, or a psycopg2 connection). Puts a list of results."""
+    import threading
+
+    # Threads: no heartbeat during the run, so each WorkQueue holds one connection (the claims),
+    # not two: 256 threads = 256 connections.
+    kw: dict[str, Any] = {"lease_seconds": 600.0, "heartbeat_seconds": 300.0} if threads > 1 else {}
+
+    def one(name: str, ready: Any) -> Any:
+        try:
+            if variant == "wq_sql":
+                return _run_wq(url, n, name, ready, go, seconds, **kw)
+            return _run_raw(url, variant, n, name, ready, go, seconds)
+        except BaseException as e:
+            ready.set()
+            return e
+
+    if threads == 1:
+        res = one(name, ready)
+        out.put([res])
+        if isinstance(res, BaseException):
+            raise res
+        return
+    results: list[Any] = [None] * threads
+    tready = [threading.Event() for _ in range(threads)]
+
+    def run(k: int) -> None:
+        results[k] = one(f"{name}.{k}", tready[k])
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for e in tready:
+        e.wait()
+    ready.set()
+    for t in ts:
+        t.join()
+    out.put(results)
 
 
 # ---------------------------------------------------------------- databases
@@ -263,7 +319,7 @@ class Template:
 
     def discard(self, url: str) -> None:
         if self.backend == "sqlite":
-            shutil.rmtree(Path(resolve_url(url).database).parent, ignore_errors=True)
+            shutil.rmtree(Path(str(resolve_url(url).database)).parent, ignore_errors=True)
         else:
             self._admin(f'DROP DATABASE IF EXISTS "{resolve_url(url).database}" WITH (FORCE)')
 
@@ -272,7 +328,7 @@ class Template:
             self._admin(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)')
 
 
-def run_once(tmpl: Template, variant: str, procs: int, n: int, seconds: float) -> dict[str, Any]:
+def run_once(tmpl: Template, variant: str, procs: int, n: int, seconds: float, threads: int = 1) -> dict[str, Any]:
     url = tmpl.copy()
     ctx = mp.get_context("fork")
     try:
@@ -282,23 +338,26 @@ def run_once(tmpl: Template, variant: str, procs: int, n: int, seconds: float) -
         ps = []
         for i in range(procs):
             r = ctx.Event()
-            p = ctx.Process(target=_child, args=(variant, url, n, f"{variant}-{i}", r, go, seconds, out))
+            p = ctx.Process(target=_child, args=(variant, url, n, f"{variant}-{i}", r, go, seconds, out, threads))
             p.start()
             readies.append(r)
             ps.append(p)
         for r in readies:
-            if not r.wait(120):
+            if not r.wait(120 + threads):
                 raise RuntimeError("a worker did not get ready")
         go.set()
-        results = [out.get(timeout=seconds + 120) for _ in ps]
+        results = [x for _ in ps for x in out.get(timeout=seconds + 120 + threads)]
         for p in ps:
             p.join(60)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        rate = sum(c / e for c, e, _ in results if e > 0)
-        lat = [x for _, _, ls in results for x in ls]
-        return {"items": sum(c for c, _, _ in results), "rate": rate,
+        rate = sum(c / e for c, e, _, _ in results if e > 0)
+        lat = [x for _, _, ls, _ in results for x in ls]
+        items = sum(c for c, _, _, _ in results)
+        # client CPU (the loop's own thread, user + system) per item handed out
+        cpu_us = sum(u for _, _, _, u in results) / max(1, items) * 1e6
+        return {"items": items, "rate": rate, "cpu_us": cpu_us,
                 "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "rounds": len(lat)}
     finally:
         tmpl.discard(url)
@@ -313,10 +372,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", type=int, default=300_000, help="items in the queue copied for each run")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--pg", default=PG_ADMIN, help="admin URL of the Postgres server (scratch databases)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="loops (threads, each with its own connection) per process: --procs 8 --threads 32 "
+                         "is 256 concurrent connections")
+    add_pg_args(ap)
     ap.add_argument("--json", default=None, help="also write every run here")
     a = ap.parse_args(argv)
     print("#", machine(), "rev", git_rev(), flush=True)
+    conns = max(int(x) for x in (a.procs or "8").split(",")) * a.threads
+    with pg_server(a, {"max_connections": "300"} if conns > 60 else None) as admin:
+        a.pg = admin
+        return _main(a)
+
+
+def _main(a: argparse.Namespace) -> int:
+    if "postgresql" in a.backends:
+        print("# server:", server_settings(a.pg), flush=True)
     las = [int(x) for x in a.lease_ahead.split(",")]
     variants = a.variants.split(",")
     all_runs: list[dict[str, Any]] = []
@@ -332,28 +403,33 @@ def main(argv: list[str]) -> int:
                         for n in las:
                             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
                             for v in order:
-                                r = run_once(tmpl, v, p, n, a.seconds)
-                                r.update(backend=backend, procs=p, lease_ahead=n, variant=v, rep=rep)
+                                r = run_once(tmpl, v, p, n, a.seconds, a.threads)
+                                r.update(backend=backend, procs=p, lease_ahead=n, variant=v, rep=rep,
+                                         threads=a.threads, load=os.getloadavg()[0])
                                 all_runs.append(r)
-                                print(f"  {backend:10s} P={p} n={n:<3d} {v:9s} rep {rep}: {r['rate']:9.0f} items/s "
-                                      f"p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms", flush=True)
+                                print(f"  {backend:10s} P={p}x{a.threads} n={n:<3d} {v:9s} rep {rep}: {r['rate']:9.0f} items/s "
+                                      f"p50 {r['p50_ms']:.2f} ms p99 {r['p99_ms']:.2f} ms, client CPU {r['cpu_us']:.0f} us/item", flush=True)
             finally:
                 tmpl.drop()
-            report(all_runs, backend, procs, las, variants)
+            report(all_runs, backend, procs, las, variants, a.threads)
     dump(a.json, all_runs)
     return 0
 
 
-def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list[int], variants: list[str]) -> None:
-    print(f"\n## {backend}: medians of {max(r['rep'] for r in runs) + 1} runs\n")
+def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list[int], variants: list[str],
+           threads: int = 1) -> None:
+    loads = [r["load"] for r in runs if r["backend"] == backend]
+    print(f"\n## {backend}: medians of {max(r['rep'] for r in runs) + 1} runs, {threads} thread(s) per process, "
+          f"load {min(loads):.1f}-{max(loads):.1f}\n")
     print("| procs | lease_ahead | wq_sql items/s | raw items/s | raw_same items/s | wq_sql / raw "
-          "| wq_sql / raw_same | wq_sql p50 / p99 ms | raw p50 / p99 ms | target | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| wq_sql / raw_same | wq_sql p50 / p99 ms | raw p50 / p99 ms | client CPU us/item wq_sql / raw_same / raw "
+          "| target | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in procs:
         for n in las:
             sel = {v: [r for r in runs if r["backend"] == backend and r["procs"] == p and r["lease_ahead"] == n
                        and r["variant"] == v] for v in variants}
-            med = {v: {k: median([r[k] for r in sel[v]]) for k in ("rate", "p50_ms", "p99_ms")} for v in variants}
+            med = {v: {k: median([r[k] for r in sel[v]]) for k in ("rate", "p50_ms", "p99_ms", "cpu_us")} for v in variants}
             # the ratio of each repeat (same run), then the median of the ratios
             ratio = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw", []))])
             ratio_same = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw_same", []))])
@@ -362,9 +438,11 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
             def g(v: str, k: str, med: dict[str, dict[str, float]] = med) -> float:
                 return med.get(v, {}).get(k, float("nan"))
 
-            print(f"| {p} | {n} | {g('wq_sql', 'rate'):.0f} | {g('raw', 'rate'):.0f} | {g('raw_same', 'rate'):.0f} "
+            print(f"| {p if threads == 1 else f'{p} x {threads} threads'} | {n} | {g('wq_sql', 'rate'):.0f} | {g('raw', 'rate'):.0f} | {g('raw_same', 'rate'):.0f} "
                   f"| {ratio:.2f} | {ratio_same:.2f} | {g('wq_sql', 'p50_ms'):.2f} / {g('wq_sql', 'p99_ms'):.2f} "
-                  f"| {g('raw', 'p50_ms'):.2f} / {g('raw', 'p99_ms'):.2f} | >= {target} | {verdict} |")
+                  f"| {g('raw', 'p50_ms'):.2f} / {g('raw', 'p99_ms'):.2f} "
+                  f"| {g('wq_sql', 'cpu_us'):.0f} / {g('raw_same', 'cpu_us'):.0f} / {g('raw', 'cpu_us'):.0f} "
+                  f"| >= {target} | {verdict} |")
     print(flush=True)
 
 
