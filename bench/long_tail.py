@@ -58,7 +58,8 @@ def _worker(mode: str, url: str, queue: str, works: list[str], i: int, n_workers
     slept = 0.0
     try:
         if mode == "wq_sql":
-            wq = WorkQueue.attach(queue, url=url, worker=f"w{i}", lease_ahead=a["lease_ahead"])
+            wq = WorkQueue.attach(queue, url=url, worker=f"w{i}", lease_ahead=a["lease_ahead"],
+                                  claim_ahead=a["claim_ahead"])
             ready.set()
             go.wait()
             t0 = go_time(a)
@@ -198,6 +199,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--slow-factor", type=float, default=4.0)
     ap.add_argument("--p-straggle", type=float, default=0.1)
     ap.add_argument("--lease-ahead", type=int, default=1)
+    ap.add_argument("--claim-ahead", action="store_true",
+                    help="WorkQueue(claim_ahead=True): claim the next item just in time, in the background")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pg", default=PG_ADMIN)
     ap.add_argument("--svg", default=None, help="write a timeline picture of the last 'slow' runs here")
@@ -207,7 +210,8 @@ def main(argv: list[str]) -> int:
     summary = []
     for scenario in ns.scenarios.split(","):
         a = {"scenario": scenario, "workers": ns.workers, "items": ns.items, "fast_ms": ns.fast_ms,
-             "slow_factor": ns.slow_factor, "p_straggle": ns.p_straggle, "lease_ahead": ns.lease_ahead}
+             "slow_factor": ns.slow_factor, "p_straggle": ns.p_straggle, "lease_ahead": ns.lease_ahead,
+             "claim_ahead": ns.claim_ahead}
         rows = []
         last: list[dict[str, Any]] = []
         for rep in range(ns.repeats):
@@ -233,6 +237,7 @@ def main(argv: list[str]) -> int:
             svg(ns.svg, last, f"{ns.backend}, {ns.workers} workers, worker 0 {ns.slow_factor:g}x slower, "
                 f"{ns.items} items of {ns.fast_ms:g} ms")
     print(f"\n## long tail on {ns.backend}: {ns.workers} workers, {ns.items} items, lease-ahead {ns.lease_ahead}, "
+          f"claim-ahead {ns.claim_ahead}, "
           f"medians of {ns.repeats} runs\n")
     print("| scenario | ideal s | wq_sql s (/ideal) | wq_sql last item done s (/ideal) | in-memory queue s (/ideal) "
           "| static s (/ideal) | wq_sql / in-memory | target wq_sql/ideal | verdict |")

@@ -27,7 +27,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
-from sqlalchemy import Connection, Table, and_, case, func, insert, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    literal,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Select
 
@@ -59,6 +75,7 @@ events = cast(Table, Event.__table__)
 checkpoints = cast(Table, CheckpointRecord.__table__)
 
 INSERT_CHUNK = 10_000
+EPOCH_CHUNK = 1_000_000  # item rows per INSERT ... SELECT of an epoch
 
 
 def new_token() -> int:
@@ -121,18 +138,41 @@ def _insert_chunked(conn: Connection, table: Any, rows: Iterable[dict[str, Any]]
 
 
 def insert_epoch(conn: Connection, qid: int, n: int, epoch: int, shuffle: bool, seed: int) -> None:
+    """Insert the ``n`` pending rows of one epoch in one statement: the permutation goes to the
+    server as one array parameter (Postgres ``unnest ... WITH ORDINALITY``, SQLite
+    ``json_each``), so a million rows cost no per-row Python objects or parameter sets."""
     order = epoch_order(n, epoch, shuffle, seed)
-    _insert_chunked(conn, items, (
-        {"queue_id": qid, "epoch": epoch, "seq": seq, "work_idx": idx, "state": PENDING, "attempts": 0}
-        for seq, idx in enumerate(order)))
+    for start in range(0, n, EPOCH_CHUNK):
+        text = ",".join(map(str, order[start:start + EPOCH_CHUNK]))
+        if conn.dialect.name == "postgresql":
+            arr = sql_cast(bindparam("order", "{" + text + "}", type_=Text), ARRAY(Integer))
+            rows = func.unnest(arr).table_valued("idx", with_ordinality="ord").render_derived()
+            pos, idx = rows.c.ord - 1, rows.c.idx
+        else:
+            js = bindparam("order", "[" + text + "]", type_=Text)
+            rows = func.json_each(js).table_valued("key", "value")
+            pos, idx = rows.c.key, rows.c.value
+        conn.execute(insert(items).from_select(
+            ["queue_id", "epoch", "seq", "work_idx", "state", "attempts"],
+            select(literal(qid), literal(epoch), pos + start, idx, literal(PENDING), literal(0))
+            .select_from(rows)))
 
 
 def advance_epoch(conn: Connection, qid: int, have: int) -> Optional[int]:
     """Create epoch ``have`` if the queue still has exactly ``have`` epochs of rows.
 
-    The conditional UPDATE makes it exactly-once under concurrency: a second caller waits for the
-    first one's row lock and then matches nothing. Returns the new count, or ``None`` if another
-    worker got there first (or every epoch exists)."""
+    The conditional UPDATE makes it exactly-once under concurrency. On Postgres a second caller
+    does not wait for the first one's row lock (held until its possibly long insert commits): it
+    skips the locked row and returns ``None`` at once, and goes on claiming. ``FOR NO KEY
+    UPDATE`` does not conflict with the key-share locks that concurrent claims take on the queue
+    row (their event and counter rows reference it). Returns the new count, or ``None`` if
+    another worker got there first or is at it (or every epoch exists)."""
+    free = conn.execute(
+        select(queues.c.id)
+        .where(queues.c.id == qid, queues.c.epochs_created == have, queues.c.num_epochs > have)
+        .with_for_update(key_share=True, skip_locked=True)).scalar_one_or_none()
+    if free is None:
+        return None
     row = conn.execute(
         update(queues)
         .where(queues.c.id == qid, queues.c.epochs_created == have, queues.c.num_epochs > have)

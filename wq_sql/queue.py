@@ -165,7 +165,8 @@ class WorkQueue:
         self.busy_timeout = float(busy_timeout)
         self.schema = schema
         self._url = resolve_url(url) if engine is None else engine.url
-        self._engine = engine or make_engine(self._url, schema=schema, busy_timeout=busy_timeout)
+        # Connections: claims, heartbeat, and making the next epoch in the background.
+        self._engine = engine or make_engine(self._url, schema=schema, busy_timeout=busy_timeout, pool_size=3)
         self._backend = Backend(self._engine.dialect.name)
         self._worker_given = worker is not None
         self.worker = check_worker_name(worker if worker is not None else default_worker_name())
@@ -186,6 +187,8 @@ class WorkQueue:
         self.claim_ahead = bool(claim_ahead)
         self._pace = Pace()                          # how often this worker takes items
         self._jit: Optional[JustInTime] = None       # claims the next item just in time
+        self._no_expire_until = 0.0                  # after an outage: let others renew first
+        self._advancer: Optional[threading.Thread] = None  # makes the next epoch
         self._filled = threading.Condition(self._lock)
 
         try:
@@ -240,6 +243,10 @@ class WorkQueue:
                 if outage:
                     log.warning("queue %r: the database is back after %.1fs; continuing", self.name,
                                 time.monotonic() - start)
+                    # Everyone's leases ran on while nobody could renew them: give the other
+                    # workers time to reconnect (their retry pause is at most 1.5 s) and renew
+                    # theirs (a few heartbeats) before expiring anything.
+                    self._no_expire_until = time.monotonic() + 1.5 + 3 * self.heartbeat_seconds
                 return result
             except DBAPIError as e:
                 why = _transient(e, self._backend)
@@ -433,11 +440,13 @@ class WorkQueue:
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
             if max(g.epoch for g in got) + 1 >= self._epochs_created:
-                self._advance_epoch()
+                self._advance_soon()
             return
         # Nothing pending. The next epoch may be missing (a crash between a claim and its
         # advance), leases may have expired, or the queue may be finished.
-        if self._advance_epoch() or self._tx(lambda c: ops.expire(c, b, qid, self.max_attempts)):
+        may_expire = time.monotonic() >= self._no_expire_until
+        if self._advance_epoch() or (may_expire and self._tx(lambda c: ops.expire(c, b, qid,
+                                                                                  self.max_attempts))):
             return self._fill()
         def finished(c: Connection) -> tuple[int, int, int]:
             done, failed = ops.progress(c, qid)
@@ -491,8 +500,22 @@ class WorkQueue:
                 self._filling = False
                 self._filled.notify_all()
         if got and max(g.epoch for g in got) + 1 >= self._epochs_created:
-            self._advance_epoch()
+            self._advance_soon()
         return len(got)
+
+    def _advance_soon(self) -> None:
+        """The newest epoch is being handed out: make the next one in a background thread, so
+        that no ``take()`` waits for it (a million rows take seconds). One at a time per queue
+        object; other workers skip the queue row it locks (``ops.advance_epoch``). If it fails,
+        ``take()`` makes the epoch itself once nothing else is pending."""
+        if self._epochs_created >= self.num_epochs:
+            return
+        t = self._advancer
+        if t is not None and t.is_alive():
+            return
+        self._advancer = threading.Thread(target=_advance_in_background, args=(weakref.ref(self),),
+                                          name=f"wq_sql-next-epoch-{self.name}", daemon=True)
+        self._advancer.start()
 
     def _advance_epoch(self) -> bool:
         if self._epochs_created >= self.num_epochs:
@@ -652,6 +675,9 @@ class WorkQueue:
         jit = self._jit
         if jit is not None and os.getpid() == self._pid:
             jit.stop()  # outside the lock: its claim in flight needs the lock to finish
+        adv = self._advancer
+        if adv is not None and os.getpid() == self._pid:
+            adv.join(timeout=self.busy_timeout)  # let a next epoch in the making commit
         with self._lock:
             if self._closed:
                 return
@@ -724,7 +750,8 @@ class WorkQueue:
             self._pid = os.getpid()
             self._filling = False
             self._handed = 0
-            self._jit = None  # the parent's thread does not exist here
+            self._jit = None  # the parent's threads do not exist here
+            self._advancer = None
             self._pace = Pace()
             self._buffer.clear()
             self._out.clear()
@@ -753,9 +780,22 @@ class WorkQueue:
         if not ok:
             self._superseded = True
             return
+        if time.monotonic() < self._no_expire_until:
+            return
         n = self._tx(lambda c: ops.expire(c, b, self._qid, self.max_attempts))
         if n:
             log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
+
+
+def _advance_in_background(ref: weakref.ref[WorkQueue]) -> None:
+    queue = ref()
+    if queue is None:
+        return
+    try:
+        queue._advance_epoch()
+    except Exception as e:  # take() makes the epoch itself when it needs it
+        log.warning("queue %r: making the next epoch in the background failed (%s: %s); take() "
+                    "will make it when it needs it", queue.name, type(e).__name__, str(e)[:200])
 
 
 def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
