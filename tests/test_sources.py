@@ -155,7 +155,8 @@ def test_a_table_of_another_database_by_alias(backend: str, db_url: str, tmp_pat
     other_url = next(other)
     try:
         make_table(other_url, "clicks", [(i, f"c{i}") for i in range(40)])
-        register_database("warehouse", other_url)
+        assert wq_sql.register_database is register_database  # the README's spelling
+        wq_sql.register_database("warehouse", other_url)
         with WorkQueue(["table://warehouse/clicks"], num_slices=4, url=db_url) as wq:
             got = sorted(r for recs in drain(wq).values() for r in recs)
             rows = [(r.work,) for r in sa.create_engine(wq_sql.engine.resolve_url(db_url)).connect()

@@ -18,9 +18,10 @@ from wq_sql.errors import (
     WqSqlError,
 )
 from wq_sql.queue import Progress, WorkItem, WorkQueue
+from wq_sql.sources import register_database, register_source
 
 __all__ = [
-    "WorkQueue", "WorkItem", "Progress",
+    "WorkQueue", "WorkItem", "Progress", "register_source", "register_database",
     "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
     "DatabaseBusy", "SchemaOutdated", "WorkerConflict", "LeaseLost", "UnsafeDatabase", "InvalidInput",
