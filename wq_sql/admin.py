@@ -39,15 +39,17 @@ def _lookup_name(name: object) -> str:
 
 
 @contextmanager
-def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str]) -> Iterator[tuple[Any, Any]]:
-    """One write transaction on the schema-checked database, with queue ``name``'s row."""
+def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str],
+              must_exist: bool = True) -> Iterator[tuple[Any, Any]]:
+    """One write transaction on the schema-checked database, with queue ``name``'s row (``None``
+    if there is none and not ``must_exist``)."""
     name = _lookup_name(name)
     engine = _engine(url, schema)
     try:
         migrate.ensure_schema(engine, schema)
         with engine.begin() as conn:
             row = ops.find_queue(conn, name)
-            if row is None:
+            if row is None and must_exist:
                 raise QueueNotFound(f"no queue named {name!r}")
             yield conn, row
     finally:
@@ -130,21 +132,14 @@ def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str
 
 def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> bool:
     """Delete a queue and everything it holds; returns whether it existed."""
-    name = _lookup_name(name)
-    engine = _engine(url, schema)
-    try:
-        migrate.ensure_schema(engine, schema)
-        with engine.begin() as conn:
-            row = ops.find_queue(conn, name)
-            if row is None:
-                return False
-            # Children first: SQLite only cascades with foreign_keys=ON, which other tools may not set.
-            for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.works_t, ops.checkpoints):
-                conn.execute(delete(table).where(table.c.queue_id == row.id))
-            conn.execute(delete(ops.queues).where(ops.queues.c.id == row.id))
-            return True
-    finally:
-        engine.dispose()
+    with _queue_tx(name, url, schema, must_exist=False) as (conn, row):
+        if row is None:
+            return False
+        # Children first: SQLite only cascades with foreign_keys=ON, which other tools may not set.
+        for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.works_t, ops.checkpoints):
+            conn.execute(delete(table).where(table.c.queue_id == row.id))
+        conn.execute(delete(ops.queues).where(ops.queues.c.id == row.id))
+        return True
 
 
 def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -> list[dict[str, Any]]:

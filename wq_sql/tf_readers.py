@@ -27,7 +27,7 @@ from wq_sql.plan import unslice
 from wq_sql.queue import WorkItem, _live
 from wq_sql.queue import WorkQueue as CoreQueue
 from wq_sql.sources import source_for
-from wq_sql.sources.table import TableSource, _reader_engine, parse
+from wq_sql.sources.table import TableSource
 
 __all__ = ["item_dataset", "records_dataset", "TableRecordReader"]
 
@@ -50,13 +50,7 @@ def _kinds(q: CoreQueue, columns: Optional[Sequence[str]]) -> Union[Kind, tuple[
     work = unslice(_first_work(q))
     src = source_for(work)
     if isinstance(src, TableSource):
-        ref = parse(work)
-        table, _ = src._table(ref, _reader_engine(ref.alias, q._engine))
-        names = list(columns) if columns is not None else list(table.c.keys())
-        missing = [n for n in names if n not in table.c]
-        if missing:
-            raise InvalidInput(f"column(s) {missing} are not in table {table.fullname!r}")
-        return tuple(_kind(table.c[n].type) for n in names)
+        return tuple(_kind(c.type) for c in src.columns(work, q._engine, columns))
     if src is None:
         raise InvalidInput(f"queue {q.name!r} holds plain works ({work!r}): use input_dataset() with "
                            "your own reader, e.g. tf.data.TextLineDataset(wq.input_dataset())")
@@ -136,8 +130,19 @@ def _find(item: Union[bytes, str]) -> tuple[CoreQueue, WorkItem]:
 def item_dataset(wq: Any, item: tf.Tensor, columns: Optional[Sequence[str]] = None,
                  batch: int = BATCH) -> tf.data.Dataset:
     """The records of one item (a scalar ``tf.string`` that ``wq`` handed out) as a dataset."""
-    q = _core(wq)
-    kinds = _kinds(q, columns)
+    return _records_of(item, _kinds(_core(wq), columns), columns, batch)
+
+
+def records_dataset(wq: Any, columns: Optional[Sequence[str]] = None, batch: int = BATCH) -> tf.data.Dataset:
+    """Every record of every item ``wq`` hands out, item after item: ``wq.input_dataset()``
+    flat-mapped through :func:`item_dataset`. An item is consumed when the next one is taken,
+    which ``flat_map`` does only after the last record of the previous item was pulled."""
+    kinds = _kinds(_core(wq), columns)  # now, with a clear error, rather than inside the pipeline
+    return wq.input_dataset().flat_map(lambda item: _records_of(item, kinds, columns, batch))
+
+
+def _records_of(item: tf.Tensor, kinds: Union[Kind, tuple[Kind, ...]], columns: Optional[Sequence[str]],
+                batch: int) -> tf.data.Dataset:
     opts = {} if columns is None else {"columns": list(columns)}
 
     def gen(s: bytes) -> Iterator[Any]:
@@ -145,15 +150,6 @@ def item_dataset(wq: Any, item: tf.Tensor, columns: Optional[Sequence[str]] = No
         yield from _batches(owner.read(held, **opts), kinds, batch)
 
     return tf.data.Dataset.from_generator(gen, args=(item,), output_signature=_signature(kinds)).unbatch()
-
-
-def records_dataset(wq: Any, columns: Optional[Sequence[str]] = None, batch: int = BATCH) -> tf.data.Dataset:
-    """Every record of every item ``wq`` hands out, item after item: ``wq.input_dataset()``
-    flat-mapped through :func:`item_dataset`. An item is consumed when the next one is taken,
-    which ``flat_map`` does only after the last record of the previous item was pulled."""
-    kinds = _kinds(_core(wq), columns)
-    del kinds  # checked now, with a clear error, rather than inside the pipeline
-    return wq.input_dataset().flat_map(lambda item: item_dataset(wq, item, columns, batch))
 
 
 class TableRecordReader:

@@ -43,6 +43,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     and_,
+    case,
     desc,
     func,
     inspect,
@@ -122,7 +123,7 @@ def register_database(alias: str, url: Union[str, URL, Engine]) -> None:
 def _reader_engine(alias: Optional[str], own: Engine) -> Engine:
     """An engine for reading sources: no statement timeout (counting a big table takes long),
     never the queue's schema translation, read-only transactions on SQLite."""
-    key: Any = alias if alias is not None else ("own", str(own.url.render_as_string(hide_password=False)))
+    key: Any = alias if alias is not None else ("own", own.url)
     with _lock:
         if key in _engines:
             return _engines[key]
@@ -200,18 +201,30 @@ class TableSource:
                                    f"order and cut it by, e.g. table:{table.fullname}?key=id")
         return table, keys
 
+    def columns(self, work: str, engine: Engine, names: Optional[Sequence[str]] = None) -> list[Column[Any]]:
+        """The table's columns called ``names`` (default: every column, in table order)."""
+        ref = parse(work)
+        table, _ = self._table(ref, _reader_engine(ref.alias, engine))
+        if names is None:
+            return list(table.c)
+        missing = [n for n in names if n not in table.c]
+        if missing:
+            raise InvalidInput(f"column(s) {missing} are not in table {table.fullname!r}; "
+                               f"it has {list(table.c.keys())}")
+        return [table.c[n] for n in names]
+
     def size(self, work: str, engine: Engine) -> int:
         ref = parse(work)
         eng = _reader_engine(ref.alias, engine)
         table, keys = self._table(ref, eng)
-        with eng.connect() as c:
-            nulls = c.execute(select(func.count()).select_from(table).where(
-                _any_null(keys))).scalar_one()
-            if nulls:
-                raise InvalidInput(f"{nulls} row(s) of {table.fullname!r} have a NULL key "
-                                   f"({', '.join(k.name for k in keys)}); they could never be read. "
-                                   "Choose another ?key=")
-            return int(c.execute(select(func.count()).select_from(table)).scalar_one())
+        with eng.connect() as c:  # one scan: the rows, and those with a NULL key
+            n, nulls = c.execute(select(func.count(), func.coalesce(
+                func.sum(case((_any_null(keys), 1), else_=0)), 0)).select_from(table)).one()
+        if nulls:
+            raise InvalidInput(f"{nulls} row(s) of {table.fullname!r} have a NULL key "
+                               f"({', '.join(k.name for k in keys)}); they could never be read. "
+                               "Choose another ?key=")
+        return int(n)
 
     def slices(self, work: str, engine: Engine, k: int) -> list[Slice]:
         ref = parse(work)
@@ -260,18 +273,14 @@ class TableSource:
         table, _ = self._table(ref, eng)
         b = piece.bounds
         keys = [table.c[k] for k in b["key"]]
-        names = list(columns) if columns is not None else list(table.c.keys())
-        missing = [n for n in names if n not in table.c]
-        if missing:
-            raise InvalidInput(f"column(s) {missing} are not in table {table.fullname!r}; "
-                               f"it has {list(table.c.keys())}")
+        selected = self.columns(work, engine, columns)
         lo = [_decode(v) for v in b["lo"]]
         hi = [_decode(v) for v in b["hi"]]
         upper = _compare(keys, hi, "<=" if b["hi_inclusive"] else "<")
         after, op = lo, ">="
         nk = len(keys)
         while True:
-            stmt = (select(*keys, *[table.c[n] for n in names])
+            stmt = (select(*keys, *selected)
                     .where(and_(_compare(keys, after, op), upper))
                     .order_by(*keys).limit(page_rows))
             with eng.connect() as c, c.begin():
