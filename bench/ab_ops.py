@@ -6,6 +6,9 @@
 
 One process, 1.5 s of ``take()`` per measurement on a 400k-item queue (lease-ahead 1 and 32), and
 the creation of a 200k-work queue; before/after alternate, medians of ``--repeats``.
+
+Both versions must take the same connection in ``ClaimRound.run``: before commit "Claim round on the
+driver's connection" it was a SQLAlchemy ``Connection``, since then the driver's own connection.
 """
 
 from __future__ import annotations

@@ -316,9 +316,10 @@ UNION ALL
 SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
 """
 
-    def run(self, conn: Connection, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
+    def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
             limit: Optional[int] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
-        """Claim up to ``limit`` items (default ``n``). Returns (ids of acks accepted, items
+        """Claim up to ``limit`` items (default ``n``), in the transaction open on ``conn``, a
+        driver connection (``engine.driver_transaction``). Returns (ids of acks accepted, items
         claimed in hand-out order, work by work index)."""
         token = new_token()
         n = self.n if limit is None else limit
@@ -329,28 +330,29 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
         self._rounds += 1
         floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
         fe, fs = floor or (-1, -1)
-        rows = conn.exec_driver_sql(self._sql, {**params, "fe": fe, "fs": fs, "lim": n}).all()
-        accepted = {r.id for r in rows if r.k == "a"}
-        got = [r for r in rows if r.k == "c"]
-        if floor is not None and len(got) < n:
-            # Items below the floor may be pending again (released, expired, a claimer that
-            # rolled back): look from the start, in the same transaction, before saying "none".
-            rows = conn.exec_driver_sql(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
-                                                    "fe": -1, "fs": -1, "lim": n - len(got)}).all()
-            got += [r for r in rows if r.k == "c"]
-        self._floor = min(((r.epoch, r.seq) for r in got), default=None)
-        claimed = sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in got),
+        with conn.cursor() as cur:
+            # rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked
+            cur.execute(self._sql, {**params, "fe": fe, "fs": fs, "lim": n})
+            rows = cur.fetchall()
+            accepted = {r[1] for r in rows if r[0] == "a"}
+            got = [r for r in rows if r[0] == "c"]
+            if floor is not None and len(got) < n:
+                # Items below the floor may be pending again (released, expired, a claimer that
+                # rolled back): look from the start, in the same transaction, before saying "none".
+                cur.execute(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
+                                        "fe": -1, "fs": -1, "lim": n - len(got)})
+                got += [r for r in cur.fetchall() if r[0] == "c"]
+        self._floor = min(((r[2], r[3]) for r in got), default=None)
+        claimed = sorted((Claimed(r[1], r[2], r[3], r[4], token, r[5]) for r in got),
                          key=lambda c: (c.epoch, c.seq))
-        return accepted, claimed, {r.work_idx: r.work for r in got}
+        return accepted, claimed, {r[4]: r[6] for r in got}
 
-    def _run_sqlite(self, conn: Connection, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
+    def _run_sqlite(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
                     token: int, n: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
         params: tuple[Any, ...]
-        # The driver's own cursor, inside the transaction SQLAlchemy began (BEGIN IMMEDIATE) and
-        # will commit: per statement, SQLAlchemy's result machinery costs several times SQLite's
-        # own work here (bench/claim_throughput.py). Errors are re-raised as SQLAlchemy's, so the
-        # caller's retry of "database is locked" applies unchanged.
-        cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        # Errors are re-raised as SQLAlchemy's, with the statement, so the caller's retry of
+        # "database is locked" applies unchanged.
+        cur = conn.cursor()
         sql, params = "", ()  # for the error message
         try:
             done: list[Any] = []

@@ -21,7 +21,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from wq_sql import ops
-from wq_sql.engine import Backend, make_engine, resolve_url, safe_url
+from wq_sql.engine import Backend, driver_transaction, make_engine, resolve_url, safe_url
 from wq_sql.errors import (
     DatabaseBusy,
     InvalidInput,
@@ -228,6 +228,17 @@ class WorkQueue:
                     return fn(conn)
         return self._retrying(once)
 
+    def _claim_round(self, acks: list[WorkItem], limit: Optional[int] = None
+                     ) -> tuple[set[int], list[ops.Claimed], dict[int, str]]:
+        """The hot path: one claim round (``ops.ClaimRound``) in one transaction, on the driver's
+        connection (see ``engine.driver_transaction``), retried like :meth:`_tx`."""
+        keys = [a.key for a in acks]
+
+        def once() -> tuple[set[int], list[ops.Claimed], dict[int, str]]:
+            with self._gate, driver_transaction(self._engine) as conn:
+                return self._round.run(conn, self._qid, self._worker_id, keys, limit)
+        return self._retrying(once)
+
     def _retrying(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying what is transient: SQLite locked past its busy handler (up to
         ``busy_timeout``, then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a
@@ -432,10 +443,9 @@ class WorkQueue:
     def _fill(self) -> None:
         """One round trip: acknowledge finished items and claim up to ``lease_ahead`` new ones.
         If none is claimable, try to make the next epoch, return expired items, or detect the end."""
-        b, qid, wid = self._backend, self._qid, self._worker_id
+        b, qid = self._backend, self._qid
         acks = list(self._acks.values())
-
-        accepted, got, works = self._tx(lambda c: self._round.run(c, qid, wid, [a.key for a in acks]))
+        accepted, got, works = self._claim_round(acks)
         self._settle_acks(acks, accepted)
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
@@ -473,7 +483,6 @@ class WorkQueue:
         runs, or nothing is claimable now (then ``take()`` makes the next epoch, recovers expired
         leases, waits or raises ``QueueExhausted``, as without prefetching)."""
         self._ensure_process()
-        qid, wid = self._qid, self._worker_id
         with self._lock:
             self._check_usable()
             n = self.lease_ahead - len(self._buffer) - max(0, self._handed - 1)
@@ -484,8 +493,7 @@ class WorkQueue:
                 del self._acks[a.item_id]
             self._filling = True
         try:
-            accepted, got, works = self._tx(
-                lambda c: self._round.run(c, qid, wid, [a.key for a in acks], limit=n))
+            accepted, got, works = self._claim_round(acks, limit=n)
         except BaseException:
             with self._lock:
                 self._acks.update((a.item_id, a) for a in acks)
