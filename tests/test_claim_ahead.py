@@ -9,12 +9,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from conftest import ROOT
 
 from wq_sql import QueueExhausted, WorkQueue
-from wq_sql.engine import make_engine, resolve_url
+from wq_sql.engine import resolve_url
 
 
 def states(url: str) -> collections.Counter[str]:
@@ -25,49 +26,49 @@ def states(url: str) -> collections.Counter[str]:
     return collections.Counter(f"{s}/{a}" for s, a in rows)
 
 
+def record_rounds(wq: WorkQueue) -> list[tuple[float, str]]:
+    """(time, thread name) of every claim round the queue object runs from now on."""
+    rounds: list[tuple[float, str]] = []
+    run = wq._round.run
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        rounds.append((time.monotonic(), threading.current_thread().name))
+        return run(*args, **kwargs)
+
+    wq._round.run = recorded  # type: ignore[method-assign]
+    return rounds
+
+
 def test_take_finds_the_next_item_claimed_just_in_time(db_url: str) -> None:
-    engine = make_engine(resolve_url(db_url))
-    statements: list[tuple[float, str]] = []
-
-    @sa.event.listens_for(engine, "before_cursor_execute")
-    def _record(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
-        statements.append((time.monotonic(), statement))
-
-    wq = WorkQueue([f"w{i}" for i in range(12)], shuffle=False, engine=engine, claim_ahead=True,
+    wq = WorkQueue([f"w{i}" for i in range(12)], shuffle=False, url=db_url, claim_ahead=True,
                    heartbeat_seconds=5)
-    waits = []
+    rounds = record_rounds(wq)
+    in_take = []
     for _ in range(10):
         t = time.monotonic()
         wq.take()
-        waits.append([s for at, s in statements if at >= t])
+        in_take.append([r for r in rounds if r[0] >= t and r[1] == threading.current_thread().name])
         time.sleep(0.1)  # the "step"
-    # After the pace is known (two hand-outs), take() issues no statement: the item was claimed
+    # After the pace is known (two hand-outs), take() runs no claim round: the item was claimed
     # in the background during the step.
-    claims_in_take = sum(1 for w in waits[3:] for s in w if "UPDATE" in s.upper() or "RETURNING" in s.upper())
-    assert claims_in_take == 0, waits[3:]
+    assert in_take[0], "the first take() claims itself"
+    assert in_take[3:] == [[]] * 7, in_take
+    assert sum(1 for r in rounds if r[1].startswith("wq_sql-claim-ahead")) >= 7
     # At most one item claimed ahead: claimed = the one in hand + the one just claimed.
     assert states(db_url)["claimed/0"] <= 2
     wq.close()
     assert states(db_url) == {"done/0": 10, "pending/0": 2}  # close() gave the buffered one back
-    engine.dispose()
 
 
 def test_without_claim_ahead_take_claims_itself(db_url: str) -> None:
-    engine = make_engine(resolve_url(db_url))
-    claims = []
-
-    @sa.event.listens_for(engine, "before_cursor_execute")
-    def _record(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
-        claims.append(statement)
-
-    wq = WorkQueue([f"w{i}" for i in range(6)], engine=engine, heartbeat_seconds=5)
-    for _ in range(5):
+    wq = WorkQueue([f"w{i}" for i in range(6)], url=db_url, heartbeat_seconds=5)
+    rounds = record_rounds(wq)
+    for k in range(5):
         wq.take()
-        n = len(claims)
+        assert len(rounds) == k + 1  # one round per take() at lease-ahead 1 ...
         time.sleep(0.05)
-        assert len(claims) == n  # nothing is claimed behind the worker's back
+        assert len(rounds) == k + 1  # ... and nothing is claimed behind the worker's back
     wq.close()
-    engine.dispose()
 
 
 WORKER = """

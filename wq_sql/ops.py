@@ -76,6 +76,10 @@ checkpoints = cast(Table, CheckpointRecord.__table__)
 
 INSERT_CHUNK = 10_000
 EPOCH_CHUNK = 1_000_000  # item rows per INSERT ... SELECT of an epoch
+# Rows per transaction when a worker makes the next epoch (WorkQueue._advance_epoch): a few ms
+# of SQLite's write lock, a few MB of Postgres WAL.
+EPOCH_CHUNK_SQLITE = 2_000
+EPOCH_CHUNK_PG = 10_000
 
 
 def new_token() -> int:
@@ -138,50 +142,76 @@ def _insert_chunked(conn: Connection, table: Any, rows: Iterable[dict[str, Any]]
 
 
 def insert_epoch(conn: Connection, qid: int, n: int, epoch: int, shuffle: bool, seed: int) -> None:
-    """Insert the ``n`` pending rows of one epoch in one statement: the permutation goes to the
-    server as one array parameter (Postgres ``unnest ... WITH ORDINALITY``, SQLite
-    ``json_each``), so a million rows cost no per-row Python objects or parameter sets."""
+    """Insert the ``n`` pending rows of one epoch (see :func:`insert_epoch_rows`)."""
     order = epoch_order(n, epoch, shuffle, seed)
     for start in range(0, n, EPOCH_CHUNK):
-        text = ",".join(map(str, order[start:start + EPOCH_CHUNK]))
-        if conn.dialect.name == "postgresql":
-            arr = sql_cast(bindparam("order", "{" + text + "}", type_=Text), ARRAY(Integer))
-            rows = func.unnest(arr).table_valued("idx", with_ordinality="ord").render_derived()
-            pos, idx = rows.c.ord - 1, rows.c.idx
-        else:
-            js = bindparam("order", "[" + text + "]", type_=Text)
-            rows = func.json_each(js).table_valued("key", "value")
-            pos, idx = rows.c.key, rows.c.value
-        conn.execute(insert(items).from_select(
-            ["queue_id", "epoch", "seq", "work_idx", "state", "attempts"],
-            select(literal(qid), literal(epoch), pos + start, idx, literal(PENDING), literal(0))
-            .select_from(rows)))
+        insert_epoch_rows(conn, qid, epoch, order, start, min(n, start + EPOCH_CHUNK))
 
 
-def advance_epoch(conn: Connection, qid: int, have: int) -> Optional[int]:
-    """Create epoch ``have`` if the queue still has exactly ``have`` epochs of rows.
+def insert_epoch_rows(conn: Connection, qid: int, epoch: int, order: Sequence[int], start: int,
+                      end: int) -> None:
+    """Insert the pending rows ``start <= seq < end`` of one epoch (``order[seq]`` = work index)
+    in one statement: the slice goes to the server as one array parameter (Postgres ``unnest ...
+    WITH ORDINALITY``, SQLite ``json_each``), so a million rows cost no per-row Python objects or
+    parameter sets."""
+    text = ",".join(map(str, order[start:end]))
+    if conn.dialect.name == "postgresql":
+        arr = sql_cast(bindparam("order", "{" + text + "}", type_=Text), ARRAY(Integer))
+        rows = func.unnest(arr).table_valued("idx", with_ordinality="ord").render_derived()
+        pos, idx = rows.c.ord - 1, rows.c.idx
+    else:
+        js = bindparam("order", "[" + text + "]", type_=Text)
+        rows = func.json_each(js).table_valued("key", "value")
+        pos, idx = rows.c.key, rows.c.value
+    conn.execute(insert(items).from_select(
+        ["queue_id", "epoch", "seq", "work_idx", "state", "attempts"],
+        select(literal(qid), literal(epoch), pos + start, idx, literal(PENDING), literal(0))
+        .select_from(rows)))
 
-    The conditional UPDATE makes it exactly-once under concurrency. On Postgres a second caller
-    does not wait for the first one's row lock (held until its possibly long insert commits): it
-    skips the locked row and returns ``None`` at once, and goes on claiming. ``FOR NO KEY
-    UPDATE`` does not conflict with the key-share locks that concurrent claims take on the queue
-    row (their event and counter rows reference it). Returns the new count, or ``None`` if
-    another worker got there first or is at it (or every epoch exists)."""
-    free = conn.execute(
-        select(queues.c.id)
-        .where(queues.c.id == qid, queues.c.epochs_created == have, queues.c.num_epochs > have)
-        .with_for_update(key_share=True, skip_locked=True)).scalar_one_or_none()
-    if free is None:
-        return None
+
+def rows_made(conn: Connection, qid: int, epoch: int) -> int:
+    """How many rows of ``epoch`` exist: epochs are made in order of ``seq`` (a prefix per
+    transaction), so this is ``max(seq) + 1``, one descent of the ``(queue_id, epoch, seq)`` index."""
+    top = conn.execute(select(func.max(items.c.seq))
+                       .where(items.c.queue_id == qid, items.c.epoch == epoch)).scalar_one()
+    return 0 if top is None else top + 1
+
+
+def advance_epoch(conn: Connection, qid: int, have: int, *, chunk: Optional[int] = None,
+                  order: Optional[Sequence[int]] = None) -> Optional[int]:
+    """Make epoch ``have`` (or its next ``chunk`` rows) if the queue has ``have`` complete epochs.
+
+    An epoch is made in transactions of ``chunk`` rows (all at once without ``chunk``), each a
+    prefix in ``seq`` order continuing from what exists (:func:`rows_made`), so that no
+    transaction holds SQLite's write lock, or fills Postgres' WAL, for long; ``epochs_created``
+    counts it with its last rows. Its rows are claimable as soon as they are committed. A
+    worker that died halfway leaves a prefix that any worker continues.
+
+    The queue row lock makes it exactly-once under concurrency. On Postgres a second caller
+    does not wait for the first one's row lock: it skips the locked row and returns ``None`` at
+    once, and goes on claiming. ``FOR NO KEY UPDATE`` does not conflict with the key-share locks
+    that concurrent claims take on the queue row (their event and counter rows reference it).
+    ``order`` is the epoch's hand-out order if the caller has it (computing it is O(n) Python).
+
+    Returns ``have + 1`` when this call completed the epoch, ``have`` when it added rows and more
+    remain, ``None`` if another worker is at it (Postgres), the epoch exists or every epoch
+    exists."""
     row = conn.execute(
-        update(queues)
+        select(queues.c.n_works, queues.c.shuffle, queues.c.seed)
         .where(queues.c.id == qid, queues.c.epochs_created == have, queues.c.num_epochs > have)
-        .values(epochs_created=have + 1)
-        .returning(queues.c.n_works, queues.c.shuffle, queues.c.seed)
-    ).one_or_none()
+        .with_for_update(key_share=True, skip_locked=True)).one_or_none()
     if row is None:
         return None
-    insert_epoch(conn, qid, row.n_works, have, row.shuffle, row.seed)
+    start = rows_made(conn, qid, have)
+    end = row.n_works if chunk is None else min(row.n_works, start + chunk)
+    if order is None:
+        order = epoch_order(row.n_works, have, row.shuffle, row.seed)
+    if end > start:
+        insert_epoch_rows(conn, qid, have, order, start, end)
+    if end < row.n_works:
+        return have
+    conn.execute(update(queues).where(queues.c.id == qid, queues.c.epochs_created == have)
+                 .values(epochs_created=have + 1))
     return have + 1
 
 

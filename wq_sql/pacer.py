@@ -2,8 +2,10 @@
 
 ``WorkQueue(..., claim_ahead=True)`` starts one thread per queue object that claims the next
 item (:meth:`WorkQueue.prefetch`) shortly before the worker is expected to ask for it: at the
-last hand-out plus the worker's own pace (an average of the intervals between hand-outs) minus
-about twice the claim's round trip. ``take()`` then finds the item in the buffer instead of
+last hand-out plus the shortest of the worker's last few intervals between hand-outs, minus
+about twice the claim's round trip. The shortest, not the average: with occasional stragglers
+(a slow item, a GC pause) the average would make every normal item's claim late, and a claim
+that comes early only holds one item a little longer. ``take()`` then finds the item in the buffer instead of
 waiting for the database, and the item is claimed only a round trip or two early, so a slow
 worker does not sit on work that a fast one could do (the reason not to claim far ahead).
 """
@@ -14,6 +16,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -21,19 +24,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("wq_sql")
 SMOOTHING = 0.2  # weight of the newest interval in the moving averages
+RECENT = 8  # intervals whose shortest schedules the next claim
 
 
 class Pace:
-    """Moving average of the intervals between this worker's hand-outs (seconds)."""
+    """The intervals between this worker's hand-outs (seconds): their moving average
+    (``interval``) and the shortest of the last few (``fastest``)."""
 
     def __init__(self) -> None:
         self.last: Optional[float] = None
         self.interval: Optional[float] = None
+        self._recent: deque[float] = deque(maxlen=RECENT)
+
+    @property
+    def fastest(self) -> Optional[float]:
+        return min(self._recent) if self._recent else None
 
     def handed_out(self, now: float) -> None:
         if self.last is not None:
             d = now - self.last
             self.interval = d if self.interval is None else (1 - SMOOTHING) * self.interval + SMOOTHING * d
+            self._recent.append(d)
         self.last = now
 
 
@@ -53,7 +64,8 @@ class JustInTime:
         """A hand-out happened: claim the next item when it is about to be wanted."""
         if pace.last is None:
             return
-        ahead = 0.0 if pace.interval is None else max(0.0, pace.interval - 2 * self.round_trip)
+        fastest = pace.fastest
+        ahead = 0.0 if fastest is None else max(0.0, fastest - 2 * self.round_trip)
         with self._wake:
             self._due = pace.last + ahead
             self._wake.notify()

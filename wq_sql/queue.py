@@ -4,6 +4,7 @@ items and the heartbeat thread. Statements live in ``wq_sql.ops``."""
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import random
@@ -49,6 +50,7 @@ from wq_sql.plan import (
     check_num_slices,
     check_seed,
     check_text,
+    epoch_order,
     new_seed,
     normalize_works,
 )
@@ -189,6 +191,8 @@ class WorkQueue:
         self._jit: Optional[JustInTime] = None       # claims the next item just in time
         self._no_expire_until = 0.0                  # after an outage: let others renew first
         self._advancer: Optional[threading.Thread] = None  # makes the next epoch
+        self._making: Optional[tuple[int, list[int]]] = None  # (epoch, its order) being made here
+        self._leaving = threading.Event()  # close(): the epoch maker stops between chunks
         self._filled = threading.Condition(self._lock)
 
         try:
@@ -204,6 +208,7 @@ class WorkQueue:
             self.prefix: Optional[str] = row.prefix if self._attach else spec.prefix
             self._epochs_created: int = row.epochs_created
             self._round = ops.ClaimRound(self._backend, lease_ahead, self.lease_seconds, schema)
+            self.epoch_chunk = ops.EPOCH_CHUNK_SQLITE if self._backend.is_sqlite else ops.EPOCH_CHUNK_PG
             self._register()
             _live.add(self)
         except BaseException:
@@ -525,19 +530,47 @@ class WorkQueue:
                                           name=f"wq_sql-next-epoch-{self.name}", daemon=True)
         self._advancer.start()
 
-    def _advance_epoch(self) -> bool:
-        if self._epochs_created >= self.num_epochs:
-            return False
-        have = self._epochs_created
-
-        def advance(c: Connection) -> int:
-            made = ops.advance_epoch(c, self._qid, have)
-            return made if made is not None else ops.epochs_created(c, self._qid)
-
-        new = self._tx(advance)
-        changed = new != self._epochs_created
-        self._epochs_created = new
-        return changed
+    def _advance_epoch(self, *, background: bool = False) -> bool:
+        """Make the next epoch, ``epoch_chunk`` rows per transaction (``ops.advance_epoch``), so
+        that no claim waits long for SQLite's write lock or behind Postgres' WAL. In the
+        background (:meth:`_advance_soon`): all of it, pausing after each chunk for twice its
+        time so that other workers' claims get the lock; it starts only an epoch that has no
+        rows yet and continues only one it started itself. From ``take()`` with nothing pending:
+        one chunk, whoever started the epoch (its maker may have died), then the rest in the
+        background. True if rows were made or the epoch count changed."""
+        qid = self._qid
+        made_rows = False
+        while self._epochs_created < self.num_epochs and not self._leaving.is_set():
+            have = self._epochs_created
+            created, made = self._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
+            if created != have:
+                self._epochs_created = created
+                return True
+            mine = self._making is not None and self._making[0] == have
+            if background and made > 0 and not mine:
+                return made_rows  # another worker is making it
+            if not mine:
+                self._making = (have, epoch_order(self.items_per_epoch, have, self.shuffle, self.seed))
+            assert self._making is not None
+            order = self._making[1]
+            t = time.monotonic()
+            new = self._tx(functools.partial(ops.advance_epoch, qid=qid, have=have, chunk=self.epoch_chunk,
+                                             order=order))
+            if new is None:  # another worker holds the queue row (Postgres) or completed the epoch
+                created = self._tx(lambda c: ops.epochs_created(c, qid), read=True)
+                changed = created != self._epochs_created
+                self._epochs_created = created
+                return made_rows or changed
+            made_rows = True
+            if new > have:
+                self._epochs_created = new
+                self._making = None
+                return True
+            if not background:
+                self._advance_soon()
+                return True
+            self._leaving.wait(2 * (time.monotonic() - t))
+        return made_rows
 
     def _settle_acks(self, sent: list[WorkItem], accepted: set[int]) -> list[WorkItem]:
         lost = []
@@ -685,7 +718,8 @@ class WorkQueue:
             jit.stop()  # outside the lock: its claim in flight needs the lock to finish
         adv = self._advancer
         if adv is not None and os.getpid() == self._pid:
-            adv.join(timeout=self.busy_timeout)  # let a next epoch in the making commit
+            self._leaving.set()  # the maker stops after its chunk in flight commits
+            adv.join(timeout=self.busy_timeout)
         with self._lock:
             if self._closed:
                 return
@@ -795,12 +829,17 @@ class WorkQueue:
             log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
 
 
+def _epoch_state(conn: Connection, qid: int, epoch: int) -> tuple[int, int]:
+    """(complete epochs, rows of ``epoch`` made so far)."""
+    return ops.epochs_created(conn, qid), ops.rows_made(conn, qid, epoch)
+
+
 def _advance_in_background(ref: weakref.ref[WorkQueue]) -> None:
     queue = ref()
     if queue is None:
         return
     try:
-        queue._advance_epoch()
+        queue._advance_epoch(background=True)
     except Exception as e:  # take() makes the epoch itself when it needs it
         log.warning("queue %r: making the next epoch in the background failed (%s: %s); take() "
                     "will make it when it needs it", queue.name, type(e).__name__, str(e)[:200])

@@ -1,0 +1,106 @@
+"""Making the next epoch in chunks: a transaction per ``epoch_chunk`` rows, in the background or
+by a worker that found nothing pending, continued by anyone after its maker died, on both
+backends. Every (epoch, seq) exists once, in the epoch's seeded order, and is done once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.pool import NullPool
+
+from wq_sql import QueueExhausted, WorkQueue, ops
+from wq_sql.engine import resolve_url
+from wq_sql.plan import epoch_order
+
+
+def query(url: str, sql: str) -> list[Any]:
+    engine = sa.create_engine(resolve_url(url), poolclass=NullPool)
+    try:
+        with engine.connect() as c:
+            return list(c.execute(sa.text(sql)).all())
+    finally:
+        engine.dispose()
+
+
+def drain(wq: WorkQueue, out: list[Any]) -> None:
+    while True:
+        try:
+            out.append(wq.take())
+        except QueueExhausted:
+            return
+
+
+def check_epochs(url: str, n: int, n_epochs: int, seed: int) -> None:
+    rows = query(url, "SELECT epoch, seq, work_idx, state FROM wq_items ORDER BY epoch, seq")
+    assert len(rows) == n * n_epochs
+    for e in range(n_epochs):
+        mine = [r for r in rows if r.epoch == e]
+        assert [r.seq for r in mine] == list(range(n))
+        assert [r.work_idx for r in mine] == epoch_order(n, e, True, seed), f"epoch {e} out of order"
+    assert {r.state for r in rows} == {"done"}
+    dup = query(url, "SELECT epoch, seq FROM wq_history WHERE kind = 'done' GROUP BY epoch, seq "
+                     "HAVING count(*) <> 1")
+    assert dup == []
+    assert query(url, "SELECT epochs_created FROM wq_queues")[0][0] == n_epochs
+
+
+def test_epochs_made_in_chunks_by_two_workers(db_url: str) -> None:
+    works = [f"w{i:03d}" for i in range(50)]
+    got: dict[str, list[Any]] = {"a": [], "b": []}
+    queues = [WorkQueue(works, num_epochs=4, seed=5, name="q", url=db_url, worker=w) for w in got]
+    for wq in queues:
+        wq.epoch_chunk = 7
+    threads = [threading.Thread(target=drain, args=(wq, got[wq.worker])) for wq in queues]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for wq in queues:
+        wq.close()
+    assert sorted(got["a"] + got["b"]) == sorted(works * 4)
+    check_epochs(db_url, len(works), 4, seed=5)
+
+
+def test_half_made_epoch_is_finished_by_another_worker(db_url: str) -> None:
+    """Its maker died after two chunks: the rows it committed stay, and a worker that runs out of
+    pending items continues from the next seq (the background maker leaves it alone: not its own)."""
+    works = [f"w{i:02d}" for i in range(20)]
+    WorkQueue(works, num_epochs=3, seed=9, name="q", url=db_url, worker="creator").close()
+    engine = sa.create_engine(resolve_url(db_url), poolclass=NullPool)
+    try:
+        for _ in range(2):
+            with engine.begin() as c:
+                if engine.dialect.name == "sqlite":
+                    c.exec_driver_sql("SELECT 1")
+                qid = c.execute(sa.select(ops.queues.c.id)).scalar_one()
+                assert ops.advance_epoch(c, qid, 1, chunk=6) == 1  # more to do
+    finally:
+        engine.dispose()
+    made = query(db_url, "SELECT count(*), max(seq) FROM wq_items WHERE epoch = 1")[0]
+    assert tuple(made) == (12, 11)
+    got: list[Any] = []
+    with WorkQueue.attach("q", url=db_url, worker="w") as wq:
+        wq.epoch_chunk = 5
+        drain(wq, got)
+    assert sorted(got) == sorted(works * 3)
+    check_epochs(db_url, len(works), 3, seed=9)
+
+
+def test_close_stops_the_background_maker_between_chunks(db_url: str) -> None:
+    """close() does not wait for a big epoch to be made: the maker stops after its chunk in
+    flight; the epoch is finished later by whoever needs it."""
+    works = [f"w{i:04d}" for i in range(3000)]
+    with WorkQueue(works, num_epochs=2, seed=1, name="q", url=db_url, worker="a") as wq:
+        wq.epoch_chunk = 10
+        wq.take()  # the newest epoch is being handed out: the next one is made in the background
+    made = query(db_url, "SELECT count(*) FROM wq_items WHERE epoch = 1")[0][0]
+    assert made < len(works)
+    assert query(db_url, "SELECT epochs_created FROM wq_queues")[0][0] == 1
+    got: list[Any] = []
+    with WorkQueue.attach("q", url=db_url, worker="b") as wq:
+        drain(wq, got)
+    assert len(got) == 2 * len(works) - 1
+    assert sorted(r.epoch for r in query(db_url, "SELECT DISTINCT epoch FROM wq_items")) == [0, 1]
+    assert query(db_url, "SELECT count(*) FROM wq_items WHERE epoch = 1")[0][0] == len(works)
