@@ -125,16 +125,29 @@ class Backend:
 
 def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float = 30.0,
                 statement_timeout: float = 60.0, startup_options: bool = True,
-                pool_size: int = 2) -> Engine:
-    """An engine for a worker process: at most ``pool_size`` connections (claims and heartbeat)."""
+                pool_size: int = 2, autocheckpoint: bool = True,
+                lock_slice: Optional[float] = None) -> Engine:
+    """An engine for a worker process: at most ``pool_size`` connections (claims and heartbeat).
+
+    SQLite, ``autocheckpoint=False``: commits never copy the WAL into the database file (SQLite
+    does that in the commit that crosses 1,000 WAL pages, fsync included: a claim that happens
+    to be that commit took up to a second here); the engine's owner checkpoints from a
+    background thread instead (``WorkQueue``'s heartbeat thread, every second).
+
+    SQLite, ``lock_slice``: a statement waits at most this long for the write lock (SQLite's busy
+    handler sleeps 1, 2, 5 ms ... then 100 ms at a time, so under a saturated lock a waiter that
+    reached 100 ms naps starved for seconds here while fresher waiters took turns); the caller
+    retries every few ms up to ``busy_timeout`` (``WorkQueue._retrying``). Default: the busy
+    handler waits up to ``busy_timeout`` itself."""
     backend = url.get_backend_name()
     if backend == "sqlite":
         if schema:
             raise InvalidInput("schema= is for PostgreSQL; SQLite has one schema per file")
         check_sqlite_path(url)
+        wait = lock_slice or busy_timeout
         engine = create_engine(url, pool_size=pool_size, max_overflow=0,
-                               connect_args={"timeout": busy_timeout, "check_same_thread": False})
-        _sqlite_hooks(engine)
+                               connect_args={"timeout": wait, "check_same_thread": False})
+        _sqlite_hooks(engine, autocheckpoint)
         return engine
     if backend != "postgresql":
         raise InvalidInput(f"unsupported database {backend!r}: use sqlite:///file.db or postgresql://...")
@@ -153,7 +166,7 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
     return engine
 
 
-def _sqlite_hooks(engine: Engine) -> None:
+def _sqlite_hooks(engine: Engine, autocheckpoint: bool) -> None:
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _rec: Any) -> None:
         # Let us issue BEGIN ourselves (pysqlite's implicit BEGIN is DEFERRED).
@@ -161,6 +174,8 @@ def _sqlite_hooks(engine: Engine) -> None:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
+        if not autocheckpoint:
+            cur.execute("PRAGMA wal_autocheckpoint=0")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 

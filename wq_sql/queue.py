@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import random
+import sqlite3
 import threading
 import time
 import uuid
@@ -61,6 +62,13 @@ T = TypeVar("T")
 
 _live: weakref.WeakSet[WorkQueue] = weakref.WeakSet()
 _RECENT = 4096  # hand-outs that read() finds by their string alone
+CHECKPOINT_SECONDS = 1.0  # SQLite: how often the heartbeat thread checkpoints the WAL
+# SQLite: the longest a statement waits for the write lock before _retrying tries again, after
+# LOCK_RETRY seconds (with jitter): see engine.make_engine(lock_slice=).
+LOCK_SLICE, LOCK_RETRY = 0.05, 0.002
+# The background epoch maker pauses this many times its chunk's time (at least MAKER_PAUSE_MIN
+# seconds) after each chunk: it holds SQLite's write lock at most a tenth of the time.
+MAKER_PAUSE, MAKER_PAUSE_MIN = 9.0, 0.01
 
 
 class WorkItem(str):
@@ -168,7 +176,8 @@ class WorkQueue:
         self.schema = schema
         self._url = resolve_url(url) if engine is None else engine.url
         # Connections: claims, heartbeat, and making the next epoch in the background.
-        self._engine = engine or make_engine(self._url, schema=schema, busy_timeout=busy_timeout, pool_size=3)
+        self._engine = engine or make_engine(self._url, schema=schema, busy_timeout=busy_timeout, pool_size=3,
+                                             autocheckpoint=False, lock_slice=LOCK_SLICE)
         self._backend = Backend(self._engine.dialect.name)
         self._worker_given = worker is not None
         self.worker = check_worker_name(worker if worker is not None else default_worker_name())
@@ -192,6 +201,7 @@ class WorkQueue:
         self._no_expire_until = 0.0                  # after an outage: let others renew first
         self._advancer: Optional[threading.Thread] = None  # makes the next epoch
         self._making: Optional[tuple[int, list[int]]] = None  # (epoch, its order) being made here
+        self._advance_to = -1  # the background maker makes epochs up to this one
         self._leaving = threading.Event()  # close(): the epoch maker stops between chunks
         self._filled = threading.Condition(self._lock)
 
@@ -245,10 +255,10 @@ class WorkQueue:
         return self._retrying(once)
 
     def _retrying(self, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying what is transient: SQLite locked past its busy handler (up to
-        ``busy_timeout``, then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a
-        restart, ``pg_terminate_backend``), a deadlock or a serialization failure (up to
-        ``busy_timeout`` too). Each retry reruns the whole transaction."""
+        """Run ``fn``, retrying what is transient: SQLite locked past its busy handler (every
+        few ms, up to ``busy_timeout``, then :class:`DatabaseBusy`); on Postgres a lost or
+        refused connection (a restart, ``pg_terminate_backend``), a deadlock or a serialization
+        failure (up to ``busy_timeout`` too). Each retry reruns the whole transaction."""
         start = time.monotonic()
         deadline = start + self.busy_timeout
         delay = 0.01
@@ -280,6 +290,9 @@ class WorkQueue:
                                 "(busy_timeout)", self.name, why, self.busy_timeout)
                     outage = True
                 log.debug("retrying transaction: %s", why)
+                if why == "locked":  # every few ms, not backing off: see LOCK_SLICE
+                    time.sleep(LOCK_RETRY * (0.5 + random.random()))
+                    continue
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 1.0)
 
@@ -454,8 +467,7 @@ class WorkQueue:
         self._settle_acks(acks, accepted)
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
-            if max(g.epoch for g in got) + 1 >= self._epochs_created:
-                self._advance_soon()
+            self._advance_after(got)
             return
         # Nothing pending. The next epoch may be missing (a crash between a claim and its
         # advance), leases may have expired, or the queue may be finished.
@@ -512,17 +524,24 @@ class WorkQueue:
             finally:
                 self._filling = False
                 self._filled.notify_all()
-        if got and max(g.epoch for g in got) + 1 >= self._epochs_created:
-            self._advance_soon()
+        self._advance_after(got)
         return len(got)
 
-    def _advance_soon(self) -> None:
-        """The newest epoch is being handed out: make the next one in a background thread, so
-        that no ``take()`` waits for it (a million rows take seconds). One at a time per queue
-        object; other workers skip the queue row it locks (``ops.advance_epoch``). If it fails,
-        ``take()`` makes the epoch itself once nothing else is pending."""
-        if self._epochs_created >= self.num_epochs:
+    def _advance_after(self, got: Sequence[ops.Claimed]) -> None:
+        """The worker that claims the first item (``seq`` 0) of epoch ``e`` makes epoch ``e + 1``,
+        in a background thread, so that no ``take()`` waits for it: exactly one worker per epoch
+        (unless that item is claimed again after a lease expired), and one permutation computed,
+        not one per worker (a million-work permutation is most of a second of Python)."""
+        firsts = [g.epoch for g in got if g.seq == 0]
+        if firsts:
+            self._advance_soon(max(firsts) + 1)
+
+    def _advance_soon(self, epoch: int) -> None:
+        """Make epochs up to ``epoch`` in a background thread (one per queue object). If it
+        fails or stops, ``take()`` makes what is missing once nothing else is pending."""
+        if epoch >= self.num_epochs:
             return
+        self._advance_to = max(self._advance_to, epoch)
         t = self._advancer
         if t is not None and t.is_alive():
             return
@@ -532,12 +551,15 @@ class WorkQueue:
 
     def _advance_epoch(self, *, background: bool = False) -> bool:
         """Make the next epoch, ``epoch_chunk`` rows per transaction (``ops.advance_epoch``), so
-        that no claim waits long for SQLite's write lock or behind Postgres' WAL. In the
-        background (:meth:`_advance_soon`): all of it, pausing after each chunk for twice its
-        time so that other workers' claims get the lock; it starts only an epoch that has no
-        rows yet and continues only one it started itself. From ``take()`` with nothing pending:
-        one chunk, whoever started the epoch (its maker may have died), then the rest in the
-        background. True if rows were made or the epoch count changed."""
+        that no claim waits long for SQLite's write lock or behind Postgres' WAL. True if rows
+        were made or the count of complete epochs changed.
+
+        In the background (:meth:`_advance_soon`): every epoch up to ``_advance_to``, pausing
+        after each chunk for nine times its time (``MAKER_PAUSE``) so that other workers'
+        claims get the lock between chunks. It waits while an earlier epoch is being made by
+        another worker, and leaves an epoch that another worker started to that worker. From
+        ``take()`` with nothing pending: one chunk of the next epoch, whoever started it (its
+        maker may have died), then the rest in the background."""
         qid = self._qid
         made_rows = False
         while self._epochs_created < self.num_epochs and not self._leaving.is_set():
@@ -545,10 +567,17 @@ class WorkQueue:
             created, made = self._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
             if created != have:
                 self._epochs_created = created
-                return True
+                if not background:
+                    return True
+                continue
+            if background and have > self._advance_to:
+                return made_rows
             mine = self._making is not None and self._making[0] == have
             if background and made > 0 and not mine:
-                return made_rows  # another worker is making it
+                if have == self._advance_to:
+                    return made_rows  # another worker is making it
+                self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
+                continue
             if not mine:
                 self._making = (have, epoch_order(self.items_per_epoch, have, self.shuffle, self.seed))
             assert self._making is not None
@@ -560,16 +589,20 @@ class WorkQueue:
                 created = self._tx(lambda c: ops.epochs_created(c, qid), read=True)
                 changed = created != self._epochs_created
                 self._epochs_created = created
-                return made_rows or changed
+                if not background or not changed:
+                    return made_rows or changed
+                continue
             made_rows = True
             if new > have:
                 self._epochs_created = new
                 self._making = None
-                return True
+                if not background:
+                    return True
+                continue
             if not background:
-                self._advance_soon()
+                self._advance_soon(have)
                 return True
-            self._leaving.wait(2 * (time.monotonic() - t))
+            self._leaving.wait(max(MAKER_PAUSE_MIN, MAKER_PAUSE * (time.monotonic() - t)))
         return made_rows
 
     def _settle_acks(self, sent: list[WorkItem], accepted: set[int]) -> list[WorkItem]:
@@ -803,6 +836,23 @@ class WorkQueue:
             _live.add(self)
 
     # for the heartbeat thread
+    def _checkpoint(self) -> None:
+        """SQLite: copy committed WAL pages into the database file (``PRAGMA
+        wal_checkpoint(PASSIVE)``: it waits for no reader or writer, and does what it can). The
+        engine wq_sql makes turns SQLite's automatic checkpoint off, which would otherwise run
+        inside whichever claim's commit crossed 1,000 WAL pages, fsync included. Another
+        process checkpointing at the same time makes this one a no-op."""
+        with self._gate:
+            if self._closed or os.getpid() != self._pid:
+                return
+            fairy = self._engine.raw_connection()
+            try:
+                fairy.dbapi_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # type: ignore[union-attr]
+            except sqlite3.OperationalError as e:  # busy: another checkpoint runs
+                log.debug("checkpoint of %s skipped: %s", safe_url(self._url), e)
+            finally:
+                fairy.close()
+
     def _beat(self) -> None:
         # close() joins this thread while holding the lock: once it is stopping, stop waiting
         # for the lock, or close() stalls for the whole join timeout (bench/long_tail.py).
@@ -846,19 +896,29 @@ def _advance_in_background(ref: weakref.ref[WorkQueue]) -> None:
 
 
 def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
+    """Renew leases every ``heartbeat_seconds``; on SQLite also checkpoint the WAL every
+    ``CHECKPOINT_SECONDS`` (see :meth:`WorkQueue._checkpoint`)."""
+    next_beat = 0.0
     while True:
         wq = ref()
         if wq is None:
             return
-        interval = wq.heartbeat_seconds
+        now = time.monotonic()
+        if not next_beat:
+            next_beat = now + wq.heartbeat_seconds
+        sqlite = wq._backend.is_sqlite
         del wq
-        if stop.wait(interval):
+        if stop.wait(max(0.0, min(next_beat - now, CHECKPOINT_SECONDS) if sqlite else next_beat - now)):
             return
         wq = ref()
         if wq is None:
             return
         try:
-            wq._beat()
+            if sqlite:
+                wq._checkpoint()
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + wq.heartbeat_seconds
+                wq._beat()
         except (DBAPIError, WqSqlError) as e:  # the next beat tries again; leases outlast several
             log.warning("heartbeat of queue %r failed: %s", wq.name, e)
         del wq
