@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -126,6 +127,10 @@ def epoch_order(n: int, epoch: int, shuffle: bool, seed: int) -> list[int]:
     for i in range(n - 1, 0, -1):
         j = int(rnd() * (i + 1))
         order[i], order[j] = order[j], order[i]
+        if not i & 0x1FFF:
+            # A million works take most of a second, in a worker's background thread: let the
+            # worker's own thread have the GIL now and then, not only every 5 ms switch interval.
+            time.sleep(0)
     return order
 
 
