@@ -1,9 +1,11 @@
 """The long tail, and how a shared work queue removes it.
 
 Several worker processes of different speeds (one or two stragglers several times slower; an
-item costs a sleep) each run a plain ``WorkQueue(...)`` loop over the same works. Fast workers
-take more items, so the job ends close to the ideal bound instead of waiting for the slowest
-worker's fixed shard, as static sharding (``works[i::n]``, what ``dataset.shard`` does) would.
+item costs a sleep) each run a plain ``WorkQueue(...)`` loop over the same works, with
+``claim_ahead=True`` (the next item is claimed while the current one is worked on: the setting
+for items that take milliseconds or more, see BENCHMARKS.md section 4). Fast workers take more
+items, so the job ends close to the ideal bound instead of waiting for the slowest worker's
+fixed shard, as static sharding (``works[i::n]``, what ``dataset.shard`` does) would.
 
 Afterwards it reads, with plain SQL:
   * items done per worker and epoch, from the ``wq_audit`` view;
@@ -45,7 +47,8 @@ def worker(name: str, ms: float, url: str, n_items: int, epochs: int, ready: Any
     from wq_sql import WorkQueue
 
     got = []
-    with WorkQueue(works(n_items), num_epochs=epochs, seed=SEED, name=QUEUE, url=url, worker=name) as wq:
+    with WorkQueue(works(n_items), num_epochs=epochs, seed=SEED, name=QUEUE, url=url, worker=name,
+                   claim_ahead=True) as wq:
         ready.put(name)
         go.wait()  # start together, so that start-up time does not decide who takes more
         for item in wq:
