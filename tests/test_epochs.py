@@ -38,7 +38,7 @@ def check_epochs(url: str, n: int, n_epochs: int, seed: int) -> None:
     for e in range(n_epochs):
         mine = [r for r in rows if r.epoch == e]
         assert [r.seq for r in mine] == list(range(n))
-        assert [r.work_idx for r in mine] == epoch_order(n, e, True, seed), f"epoch {e} out of order"
+        assert [r.work_idx for r in mine] == list(epoch_order(n, e, True, seed)), f"epoch {e} out of order"
     assert {r.state for r in rows} == {"done"}
     dup = query(url, "SELECT epoch, seq FROM wq_history WHERE kind = 'done' GROUP BY epoch, seq "
                      "HAVING count(*) <> 1")

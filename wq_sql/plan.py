@@ -8,6 +8,7 @@ import hashlib
 import random
 import re
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -109,18 +110,19 @@ def new_seed() -> int:
     return random.SystemRandom().randrange(2**62)
 
 
-def epoch_order(n: int, epoch: int, shuffle: bool, seed: int) -> list[int]:
-    """The work indexes of ``epoch`` in hand-out order (``order[seq] = work index``).
+def epoch_order(n: int, epoch: int, shuffle: bool, seed: int) -> array[int]:
+    """The work indexes of ``epoch`` in hand-out order (``order[seq] = work index``), as a
+    compact ``array('i')`` (4 bytes per work instead of a list's ~36).
 
     A Fisher-Yates shuffle driven only by ``Random.random()`` seeded with an int, the one part of
     the ``random`` module whose output Python guarantees across versions and machines.
 
-    >>> epoch_order(4, 0, False, 7)
+    >>> list(epoch_order(4, 0, False, 7))
     [0, 1, 2, 3]
     >>> sorted(epoch_order(4, 1, True, 7))
     [0, 1, 2, 3]
     """
-    order = list(range(n))
+    order = array("i", range(n))  # 32-bit indexes: 2**31 works would not fit in memory anyway
     if not shuffle:
         return order
     rnd = random.Random(seed * 1_000_003 + epoch).random
@@ -128,7 +130,7 @@ def epoch_order(n: int, epoch: int, shuffle: bool, seed: int) -> list[int]:
         j = int(rnd() * (i + 1))
         order[i], order[j] = order[j], order[i]
         if not i & 0x1FFF:
-            # A million works take most of a second, in a worker's background thread: let the
+            # A million works take a fifth of a second, in a worker's background thread: let the
             # worker's own thread have the GIL now and then, not only every 5 ms switch interval.
             time.sleep(0)
     return order

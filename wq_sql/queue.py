@@ -200,7 +200,7 @@ class WorkQueue:
         self._jit: Optional[JustInTime] = None       # claims the next item just in time
         self._no_expire_until = 0.0                  # after an outage: let others renew first
         self._advancer: Optional[threading.Thread] = None  # makes the next epoch
-        self._making: Optional[tuple[int, list[int]]] = None  # (epoch, its order) being made here
+        self._making: Optional[tuple[int, Sequence[int]]] = None  # (epoch, its order) being made here
         self._advance_to = -1  # the background maker makes epochs up to this one
         self._leaving = threading.Event()  # close(): the epoch maker stops between chunks
         self._filled = threading.Condition(self._lock)
