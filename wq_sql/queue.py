@@ -845,13 +845,15 @@ class WorkQueue:
         with self._gate:
             if self._closed or os.getpid() != self._pid:
                 return
-            fairy = self._engine.raw_connection()
             try:
-                fairy.dbapi_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # type: ignore[union-attr]
-            except sqlite3.OperationalError as e:  # busy: another checkpoint runs
+                fairy = self._engine.raw_connection()
+                try:
+                    fairy.dbapi_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # type: ignore[union-attr]
+                finally:
+                    fairy.close()
+            except sqlite3.Error as e:  # best effort (busy: another checkpoint runs); never
+                # let it end the heartbeat thread, whose lease renewals matter
                 log.debug("checkpoint of %s skipped: %s", safe_url(self._url), e)
-            finally:
-                fairy.close()
 
     def _beat(self) -> None:
         # close() joins this thread while holding the lock: once it is stopping, stop waiting

@@ -143,7 +143,12 @@ def test_iterator_in_the_checkpoint_every_record_exactly_once(
     saves = check_queue(url, "iterator", 24)
     restores = [(i, step, items) for i, (action, step, items, _) in enumerate(saves) if action == "restore"]
     assert [(step, items) for _, step, items in restores][0] == (None, 0)  # first start: nothing to re-open
-    assert restores[1][1] == 15 and restores[1][2] > 0  # the older restore re-opened what 20 had covered
+    # The older restore re-opened exactly what checkpoint 20 had covered. That is usually a file or
+    # two, but can be none: when the pipeline's read-ahead (prefetch, the file being read) already
+    # held steps 15-20's records at the save of 15, no hand-out fell between the two saves.
+    covered_by_20 = sum(items for i, (action, step, items, _) in enumerate(saves)
+                        if action == "save" and step == 20 and i < restores[1][0])
+    assert restores[1][1] == 15 and restores[1][2] == covered_by_20, saves
     assert restores[2][1] == 30
     recovered = "SELECT count(*) FROM wq_history WHERE queue = 'iterator' AND kind = 'recover'"
     assert rows(url, recovered)[0][0] > 0
