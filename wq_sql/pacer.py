@@ -5,9 +5,10 @@ item (:meth:`WorkQueue.prefetch`) shortly before the worker is expected to ask f
 last hand-out plus the shortest of the worker's last few intervals between hand-outs, minus
 about twice the claim's round trip. The shortest, not the average: with occasional stragglers
 (a slow item, a GC pause) the average would make every normal item's claim late, and a claim
-that comes early only holds one item a little longer. ``take()`` then finds the item in the buffer instead of
-waiting for the database, and the item is claimed only a round trip or two early, so a slow
-worker does not sit on work that a fast one could do (the reason not to claim far ahead).
+that comes early only holds one item a little longer. ``take()`` then finds the item in the
+buffer instead of waiting for the database, and the item is claimed only a round trip or two
+early, so a slow worker does not sit on work that a fast one could do (the reason not to claim
+far ahead).
 """
 
 from __future__ import annotations

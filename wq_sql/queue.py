@@ -564,24 +564,27 @@ class WorkQueue:
         made_rows = False
         while self._epochs_created < self.num_epochs and not self._leaving.is_set():
             have = self._epochs_created
-            created, made = self._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
-            if created != have:
-                self._epochs_created = created
-                if not background:
-                    return True
-                continue
             if background and have > self._advance_to:
                 return made_rows
-            mine = self._making is not None and self._making[0] == have
-            if background and made > 0 and not mine:
-                if have == self._advance_to:
-                    return made_rows  # another worker is making it
-                self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
-                continue
-            if not mine:
-                self._making = (have, epoch_order(self.items_per_epoch, have, self.shuffle, self.seed))
-            assert self._making is not None
-            order = self._making[1]
+            making = self._making  # one read: the background maker may reset it meanwhile
+            if making is None or making[0] != have:
+                # Not ours yet: look before computing the order (O(n) Python). Once it is ours,
+                # ops.advance_epoch's own checks suffice (None: made meanwhile, or locked).
+                created, made = self._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
+                if created != have:
+                    self._epochs_created = created
+                    if not background:
+                        return True
+                    continue
+                if background and made > 0:
+                    if have == self._advance_to:
+                        return made_rows  # another worker is making it
+                    self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
+                    continue
+                order: Sequence[int] = epoch_order(self.items_per_epoch, have, self.shuffle, self.seed)
+                self._making = (have, order)
+            else:
+                order = making[1]
             t = time.monotonic()
             new = self._tx(functools.partial(ops.advance_epoch, qid=qid, have=have, chunk=self.epoch_chunk,
                                              order=order))
