@@ -4,7 +4,7 @@
     git show 039d4dd:wq_sql/ops.py > /tmp/ops_before.py
     .venv/bin/python bench/ab_ops.py /tmp/ops_before.py
 
-One process, 1.5 s of ``take()`` per measurement on a 400k-item queue (lease-ahead 1 and 32), and
+One process, 1.5 s of ``take()`` per measurement on a 1M-item queue (lease-ahead 1 and 32), and
 the creation of a 200k-work queue; before/after alternate, medians of ``--repeats``.
 
 Both versions must take the same connection in ``ClaimRound.run``: before commit "Claim round on the
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     inserts = {"before": old._insert_chunked, "after": new_ops._insert_chunked}
     res: dict[tuple[str, str], list[float]] = {}
     with scratch("sqlite", tag="ab") as url:
-        WorkQueue([f"p{i:07d}" for i in range(400_000)], shuffle=False, url=url, worker="c").close()
+        WorkQueue([f"p{i:07d}" for i in range(1_000_000)], shuffle=False, url=url, worker="c").close()
         for rep in range(a.repeats):
             for la in (1, 32):
                 for v in (("before", "after") if rep % 2 == 0 else ("after", "before")):

@@ -178,21 +178,10 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         if variant == "raw":
             cur.executemany(_SQ_ACK, acks)
             rows = cur.execute(claim, (qid, wid, token)).fetchall()
-        else:  # ops.ClaimRound._run_sqlite, statement for statement
-            done = cur.execute(rnd._ack.format(pairs=", ".join(["(?, ?)"] * len(acks))),
-                               [x for a in acks for x in a]).fetchall() if acks else []
-            per: dict[int, int] = {}
-            for r in done:
-                per[r[1]] = per.get(r[1], 0) + 1
-            for e, k in per.items():
-                cur.execute(rnd._tally, (qid, e, wid, k))
-            rows = cur.execute(rnd._claim, (qid, n, wid, token, "+60.0 seconds")).fetchall()
-            evs = [(qid, r[0], r[1], r[2], "done", wid, r[3]) for r in done]
-            evs += [(qid, r[0], r[1], r[2], "claim", wid, token) for r in rows]
-            if evs:
-                cur.executemany(rnd._event, evs)
-            rows = [(r[0], r[3]) for r in rows]
-        if rows:
+        else:  # wq_sql's own round on this connection (it reads the work strings itself)
+            _, claimed, _ = rnd.run(conn, qid, wid, acks)
+            rows = [(c.id, c.work_idx, c.token) for c in claimed]
+        if rows and variant == "raw":
             idx = sorted({r[1] for r in rows})
             cur.execute(f"SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN ({','.join('?' * len(idx))})",
                         (qid, *idx)).fetchall()
@@ -200,7 +189,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         lat.append(time.perf_counter() - t)
         if not rows:
             break
-        acks = [(r[0], token) for r in rows]
+        acks = [(r[0], token if variant == "raw" else r[2]) for r in rows]
         count += len(rows)
     elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
     conn.close()

@@ -470,10 +470,9 @@ class WorkQueue:
             self._advance_after(got)
             return
         # Nothing pending. The next epoch may be missing (a crash between a claim and its
-        # advance), leases may have expired, or the queue may be finished.
-        may_expire = time.monotonic() >= self._no_expire_until
-        if self._advance_epoch() or (may_expire and self._tx(lambda c: ops.expire(c, b, qid,
-                                                                                  self.max_attempts))):
+        # advance), the queue may be finished (checked before expiring leases: a finished queue
+        # holds none, and the end of every worker's drain comes here), or leases may have expired.
+        if self._advance_epoch():
             return self._fill()
         def finished(c: Connection) -> tuple[int, int, int]:
             done, failed = ops.progress(c, qid)
@@ -485,6 +484,9 @@ class WorkQueue:
             return self._fill()
         if done + failed >= self.items_per_epoch * self.num_epochs:
             raise QueueExhausted(self.name, done, failed)
+        if time.monotonic() >= self._no_expire_until and self._tx(
+                lambda c: ops.expire(c, b, qid, self.max_attempts)):
+            return self._fill()
 
     def prefetch(self, min_claim: int = 1) -> int:
         """Top the buffer of claimed items up to ``lease_ahead`` in one round trip (which also
