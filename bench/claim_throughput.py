@@ -75,8 +75,9 @@ def _pg_raw_sql(n: int) -> str:
     return f"""
 WITH acked AS (
     UPDATE wq_items SET state = 'done', done_at = clock_timestamp(), lease_until = NULL
-    WHERE (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
-      AND state = 'claimed'
+    WHERE id = ANY(%(ack_ids)s::bigint[])
+      AND (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
+      AND state || '' = 'claimed'  -- by primary key, as ClaimRound does (see there)
     RETURNING id
 ), c AS MATERIALIZED (
     SELECT id FROM wq_items WHERE queue_id = %(q)s AND state = 'pending'

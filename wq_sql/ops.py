@@ -315,11 +315,17 @@ class ClaimRound:
                 "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts, claimed_at")
             return
         events = f"{p}wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at)"
+        # The acks are found by primary key. "state || ''" keeps the planner off the partial
+        # index of claimed rows, which it would otherwise pick from the table's statistics (few
+        # claimed rows) although the index holds a dead entry for every claim since the last
+        # VACUUM: a bitmap scan of 21k entries per round (0.9 ms of a 1.8 ms round) after 21k
+        # claims, growing with the drain.
         self._sql = f"""
 WITH acked AS (
     UPDATE {p}wq_items SET state = '{DONE}', done_at = clock_timestamp(), lease_until = NULL
-    WHERE (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
-      AND state = '{CLAIMED}'
+    WHERE id = ANY(%(ack_ids)s::bigint[])
+      AND (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
+      AND state || '' = '{CLAIMED}'
     RETURNING id, epoch, seq, token
 ), acked_events AS (
     INSERT INTO {events}
@@ -429,7 +435,9 @@ _SQLITE_EVENT_CHUNK = 5_000  # 6 each
 
 
 def _fenced(pairs: Sequence[tuple[int, int]]) -> Any:
-    return tuple_(items.c.id, items.c.token).in_(list(pairs))
+    """The claimed rows among ``(id, token)`` pairs, found by primary key: ``state || ''`` keeps
+    Postgres' planner off the partial index of claimed rows (see ``ClaimRound``)."""
+    return and_(tuple_(items.c.id, items.c.token).in_(list(pairs)), items.c.state.concat("") == CLAIMED)
 
 
 def complete(conn: Connection, b: Backend, qid: int, worker_id: int,
@@ -440,7 +448,7 @@ def complete(conn: Connection, b: Backend, qid: int, worker_id: int,
     if not pairs:
         return set()
     rows = conn.execute(
-        update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+        update(items).where(_fenced(pairs))
         .values(state=DONE, done_at=b.now(), lease_until=None)
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
     _log(conn, b, qid, EV_DONE, rows, worker_id)
@@ -454,7 +462,7 @@ def release(conn: Connection, b: Backend, qid: int, worker_id: int,
     if not pairs:
         return set()
     rows = conn.execute(
-        update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+        update(items).where(_fenced(pairs))
         .values(state=PENDING, token=None, lease_until=None)
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
     _log(conn, b, qid, EV_RELEASE, rows, worker_id)
@@ -472,7 +480,7 @@ def fail(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequence
         return set()
     state = _after_attempt(max_attempts)
     rows = conn.execute(
-        update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+        update(items).where(_fenced(pairs))
         .values(state=state, attempts=items.c.attempts + 1, last_error=error, lease_until=None,
                 done_at=case((state == FAILED, b.now()), else_=None))
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.token)).all()
@@ -652,7 +660,7 @@ def cover(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequenc
     rows: list[Any] = []
     if pairs:
         rows = list(conn.execute(
-            update(items).where(_fenced(pairs), items.c.state == CLAIMED)
+            update(items).where(_fenced(pairs))
             .values(state=DONE, done_at=b.now(), lease_until=None, ckpt_step=step)
             .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)))
         _log(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step}")
