@@ -17,7 +17,8 @@ machines here are shared: read ratios, not absolute numbers.
 ``--burner DUTY`` adds a third side as a yardstick: plain ``TextLineDataset(files)`` while a
 thread that holds no lock (SHA-256 in C, which releases the GIL) keeps DUTY of one core busy in
 0.6 ms bursts, i.e. the CPU that wq_sql's claim-ahead thread spends beside the pipeline, without
-any database.
+any database. ``--no-autotune`` turns tf.data's autotuner off on every side (no slow mode; the
+pipelines' own costs, compared without it).
 """
 
 from __future__ import annotations
@@ -52,7 +53,14 @@ def write_files(directory: Path, n_files: int, n_lines: int) -> list[str]:
     return paths
 
 
+AUTOTUNE = True  # --no-autotune: both sides without tf.data's autotuner
+
+
 def consume(ds: tf.data.Dataset) -> tuple[int, float]:
+    if not AUTOTUNE:
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        ds = ds.with_options(options)
     start = time.perf_counter()
     n = 0
     for batch in ds:
@@ -120,7 +128,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--burner", type=float, default=None, metavar="DUTY",
                     help="also time plain reading beside a GIL-free busy thread of this duty (0-1)")
+    ap.add_argument("--no-autotune", action="store_true",
+                    help="both sides with tf.data's autotuner off (no bimodal slow mode)")
     args = ap.parse_args()
+    global AUTOTUNE
+    AUTOTUNE = not args.no_autotune
 
     with tempfile.TemporaryDirectory(prefix="wq_sql_bench_tf_") as tmp:
         paths = write_files(Path(tmp), args.files, args.lines)
@@ -128,7 +140,7 @@ def main() -> None:
         expected = args.files * args.lines
         print(machine())
         print(f"{args.files} files x {args.lines} lines, batch {args.batch}, {args.runs} runs per side, "
-              f"backend {url.split(':', 1)[0]}")
+              f"backend {url.split(':', 1)[0]}{', autotune off' if args.no_autotune else ''}")
         run_plain(paths, args.batch)  # warm up TensorFlow and the page cache
         run_wq(paths, args.batch, url, args.lease_ahead[0])
         for lease_ahead in args.lease_ahead:

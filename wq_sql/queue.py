@@ -392,11 +392,14 @@ class WorkQueue:
         :class:`QueueEmpty` is raised (``timeout=0``: never wait)."""
         return self.take_many(1, timeout)[0]
 
-    def take_many(self, n: int, timeout: Optional[float] = None) -> list[WorkItem]:
+    def take_many(self, n: int, timeout: Optional[float] = None, *, claim: Optional[int] = None
+                  ) -> list[WorkItem]:
         """Like :meth:`take`, but hands out up to ``n`` items at once: what the local buffer holds
-        (never waiting to gather ``n``), or, when it is empty, what the next round trip claims.
-        Taking marks every item handed out before as done (unless ``auto_complete=False``), so
-        the items of one hand-out are done when the next hand-out is taken."""
+        (never waiting to gather ``n``), or, when it is empty, what the next round trip claims:
+        ``lease_ahead`` items, or ``claim`` (at most ``lease_ahead``) when a thread calling
+        :meth:`prefetch` claims the rest. Taking marks every item handed out before as done
+        (unless ``auto_complete=False``), so the items of one hand-out are done when the next
+        hand-out is taken."""
         self._ensure_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -408,7 +411,7 @@ class WorkQueue:
                 while not self._buffer and self._filling:  # prefetch() is claiming: no 2nd claim
                     self._filled.wait()
                 if not self._buffer:
-                    self._fill()
+                    self._fill(claim)
                 if self._buffer:
                     got = [self._buffer.popleft() for _ in range(min(max(1, n), len(self._buffer)))]
                     for item in got:
@@ -458,12 +461,14 @@ class WorkQueue:
             except QueueExhausted:
                 return
 
-    def _fill(self) -> None:
-        """One round trip: acknowledge finished items and claim up to ``lease_ahead`` new ones.
-        If none is claimable, try to make the next epoch, return expired items, or detect the end."""
+    def _fill(self, limit: Optional[int] = None) -> None:
+        """One round trip: acknowledge finished items and claim up to ``limit`` (at most
+        ``lease_ahead``, the default) new ones. If none is claimable, try to make the next epoch,
+        return expired items, or detect the end."""
         b, qid = self._backend, self._qid
         acks = list(self._acks.values())
-        accepted, got, works = self._claim_round(acks)
+        limit = self.lease_ahead if limit is None else max(1, min(limit, self.lease_ahead))
+        accepted, got, works = self._claim_round(acks, limit)
         self._settle_acks(acks, accepted)
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
@@ -473,7 +478,7 @@ class WorkQueue:
         # advance), the queue may be finished (checked before expiring leases: a finished queue
         # holds none, and the end of every worker's drain comes here), or leases may have expired.
         if self._advance_epoch():
-            return self._fill()
+            return self._fill(limit)
         def finished(c: Connection) -> tuple[int, int, int]:
             done, failed = ops.progress(c, qid)
             return done, failed, ops.find_queue_by_id(c, qid).num_epochs
@@ -481,12 +486,12 @@ class WorkQueue:
         done, failed, num_epochs = self._tx(finished, read=True)
         if num_epochs != self.num_epochs:  # another worker called extend_epochs()
             self.num_epochs = num_epochs
-            return self._fill()
+            return self._fill(limit)
         if done + failed >= self.items_per_epoch * self.num_epochs:
             raise QueueExhausted(self.name, done, failed)
         if time.monotonic() >= self._no_expire_until and self._tx(
                 lambda c: ops.expire(c, b, qid, self.max_attempts)):
-            return self._fill()
+            return self._fill(limit)
 
     def prefetch(self, min_claim: int = 1) -> int:
         """Top the buffer of claimed items up to ``lease_ahead`` in one round trip (which also

@@ -186,12 +186,14 @@ class WorkQueue:
         for other workers' items ends with :class:`_Cancelled` once :meth:`_cancel` was called."""
         return self._take_items(1, cancel_generation)[0]
 
-    def _take_items(self, n: int, cancel_generation: Optional[int] = None) -> list[WorkItem]:
-        """Up to ``n`` items (see :meth:`wq_sql.WorkQueue.take_many`), as :meth:`_take_item`."""
+    def _take_items(self, n: int, cancel_generation: Optional[int] = None,
+                    claim: Optional[int] = None) -> list[WorkItem]:
+        """Up to ``n`` items (see :meth:`wq_sql.WorkQueue.take_many`, also for ``claim``), as
+        :meth:`_take_item`."""
         call = self._ledger.start()
         items: list[WorkItem] = []
         try:
-            items = self._take_items_now(n, cancel_generation)
+            items = self._take_items_now(n, cancel_generation, claim)
         finally:
             self._ledger.finish(call, items)
         with self._stats_lock:
@@ -199,25 +201,27 @@ class WorkQueue:
             self._last_epoch = items[-1].epoch
         return items
 
-    def _take_items_now(self, n: int, cancel_generation: Optional[int]) -> list[WorkItem]:
+    def _take_items_now(self, n: int, cancel_generation: Optional[int],
+                        claim: Optional[int]) -> list[WorkItem]:
         if self.consumed == "checkpoint":
-            return self._take_until_checkpointed(n, cancel_generation)
+            return self._take_until_checkpointed(n, cancel_generation, claim)
         while True:
             try:
                 return self.queue.take_many(
-                    n, timeout=None if cancel_generation is None else _WAIT_SLICE_SECONDS)
+                    n, timeout=None if cancel_generation is None else _WAIT_SLICE_SECONDS, claim=claim)
             except QueueEmpty:
                 if cancel_generation is not None and self._cancel_generation != cancel_generation:
                     raise _Cancelled() from None
 
-    def _take_until_checkpointed(self, n: int, cancel_generation: Optional[int]) -> list[WorkItem]:
+    def _take_until_checkpointed(self, n: int, cancel_generation: Optional[int],
+                                 claim: Optional[int]) -> list[WorkItem]:
         """With ``consumed='checkpoint'`` this worker's items stay claimed until a checkpoint covers
         them, so the core would wait for them forever at the end: the data ends for this worker
         once every item not done or failed is one it handed out itself."""
         pause = 0.02
         while True:
             try:
-                return self.queue.take_many(n, timeout=0)
+                return self.queue.take_many(n, timeout=0, claim=claim)
             except QueueEmpty:
                 pass
             if cancel_generation is not None and self._cancel_generation != cancel_generation:
@@ -248,7 +252,9 @@ class WorkQueue:
         holds), or none at the end. After each hand-out, the prefetch thread tops the core's
         buffer up again, off the pipeline's path."""
         try:
-            items = self._take_items(self._hand_out)
+            # With an empty buffer (the first pull), claim only this hand-out: the prefetch
+            # thread claims the rest beside the pipeline.
+            items = self._take_items(self._hand_out, claim=self._hand_out)
         except QueueExhausted:
             return np.array([], dtype=object)
         self._kick_prefetcher()

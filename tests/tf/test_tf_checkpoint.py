@@ -228,12 +228,12 @@ def test_saving_the_iterator_waits_for_a_hand_out_in_flight(tmp_path: Path) -> N
     calls, inside = [0], threading.Event()
     take_many = wq.queue.take_many
 
-    def slow_take_many(n: int, timeout: Any = None) -> Any:  # a database round trip that lasts
+    def slow_take_many(n: int, timeout: Any = None, **kw: Any) -> Any:  # a round trip that lasts
         calls[0] += 1
         if calls[0] == 3:
             inside.set()
             time.sleep(1.0)
-        return take_many(n, timeout)
+        return take_many(n, timeout, **kw)
 
     wq.queue.take_many = slow_take_many  # type: ignore[method-assign]
     iterator = iter(wq.input_dataset().prefetch(4))

@@ -66,6 +66,22 @@ def test_take_many_hands_out_what_is_buffered_and_acks_a_hand_out_at_the_next(ur
     wq.close()
     assert states_of(url, "work_queue", "w") == {"done": 10}
 
+def test_take_many_with_claim_leaves_the_rest_to_prefetch(url: str) -> None:
+    works = [f"w{i}" for i in range(10)]
+    wq = wq_sql.WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=6)
+    assert wq.take_many(2, claim=2) == ["w0", "w1"]  # the empty buffer: only this hand-out claimed
+    assert claimed(url, "w") == 2
+    assert wq.prefetch() == 5                        # 6 - 0 buffered - (2 - 1)
+    assert wq.take_many(2, claim=2) == ["w2", "w3"]  # from the buffer: claim= changes nothing
+    assert claimed(url, "w") == 7
+    assert wq.take_many(9, claim=9) == ["w4", "w5", "w6"]
+    assert wq.take_many(1, claim=50) == ["w7"]      # claims up to lease_ahead: the three left
+    assert states_of(url, "work_queue", "w") == {"claimed": 3, "done": 7}
+    assert wq.take_many(5) == ["w8", "w9"]
+    wq.close()
+    assert states_of(url, "work_queue", "w") == {"done": 10}
+
+
 
 def test_prefetch_from_another_thread_never_double_claims(url: str) -> None:
     works = [f"w{i}" for i in range(300)]
