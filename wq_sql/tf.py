@@ -88,6 +88,8 @@ log = logging.getLogger("wq_sql")
 # How long one wait of a graph-mode take() lasts before it checks whether its QueueRunner was
 # cancelled (the session is closing). Only reached while other workers hold every remaining item.
 _WAIT_SLICE_SECONDS = 5.0
+# input_dataset's first pull claims at most this many items (see _next_many).
+_FIRST_CLAIM = 32
 
 
 class WorkQueue:
@@ -252,9 +254,10 @@ class WorkQueue:
         holds), or none at the end. After each hand-out, the prefetch thread tops the core's
         buffer up again, off the pipeline's path."""
         try:
-            # With an empty buffer (the first pull), claim only this hand-out: the prefetch
-            # thread claims the rest beside the pipeline.
-            items = self._take_items(self._hand_out, claim=self._hand_out)
+            # With an empty buffer (the first pull), claim at most _FIRST_CLAIM items, so the
+            # pipeline starts after a short round trip; the prefetch thread claims the rest while
+            # the pipeline reads those.
+            items = self._take_items(self._hand_out, claim=min(self._hand_out, _FIRST_CLAIM))
         except QueueExhausted:
             return np.array([], dtype=object)
         self._kick_prefetcher()
