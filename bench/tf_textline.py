@@ -17,7 +17,9 @@ machines here are shared: read ratios, not absolute numbers.
 ``--burner DUTY`` adds a third side as a yardstick: plain ``TextLineDataset(files)`` while a
 thread that holds no lock (SHA-256 in C, which releases the GIL) keeps DUTY of one core busy in
 0.6 ms bursts, i.e. the CPU that wq_sql's claim-ahead thread spends beside the pipeline, without
-any database. ``--no-autotune`` turns tf.data's autotuner off on every side (no slow mode; the
+any database. ``--structure`` adds another: ``input_dataset``'s own pipeline (the same ops and
+hand-out size) fed from a Python list, i.e. what its shape costs without the queue.
+``--no-autotune`` turns tf.data's autotuner off on every side (no slow mode; the
 pipelines' own costs, compared without it).
 """
 
@@ -38,6 +40,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import wq_sql  # noqa: E402
@@ -92,6 +95,28 @@ def run_plain_burning(paths: list[str], batch: int, duty: float) -> tuple[int, f
         thread.join()
 
 
+def run_structure(paths: list[str], batch: int, lease_ahead: int) -> tuple[int, float]:
+    """input_dataset's pipeline (the same ops, hand-outs of the same size) fed from a Python
+    list instead of the queue: what the pipeline's shape costs, without any database."""
+    works = [p.encode("utf-8") for p in paths]
+    k = max(1, (lease_ahead + 1) // 2)
+    at = [0]
+
+    def next_many() -> np.ndarray:
+        i = at[0]
+        at[0] = i + k
+        return np.array(works[i:i + k], dtype=object)
+
+    def take(_: tf.Tensor) -> tf.Tensor:
+        got = tf.numpy_function(next_many, [], tf.string, stateful=True)
+        got.set_shape([None])
+        return got
+
+    names = (tf.data.Dataset.from_tensors(0).repeat().map(take)
+             .take_while(lambda got: tf.size(got) > 0).unbatch())
+    return consume(tf.data.TextLineDataset(names).batch(batch))
+
+
 def run_wq(paths: list[str], batch: int, url: str, lease_ahead: int) -> tuple[int, float]:
     name = f"bench_{uuid.uuid4().hex[:8]}"
     wq = WorkQueue(paths, shuffle=False, name=name, url=url, worker="bench", lease_ahead=lease_ahead)
@@ -128,6 +153,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--burner", type=float, default=None, metavar="DUTY",
                     help="also time plain reading beside a GIL-free busy thread of this duty (0-1)")
+    ap.add_argument("--structure", action="store_true",
+                    help="also time input_dataset's pipeline fed from a Python list (no database)")
     ap.add_argument("--no-autotune", action="store_true",
                     help="both sides with tf.data's autotuner off (no bimodal slow mode)")
     args = ap.parse_args()
@@ -144,7 +171,7 @@ def main() -> None:
         run_plain(paths, args.batch)  # warm up TensorFlow and the page cache
         run_wq(paths, args.batch, url, args.lease_ahead[0])
         for lease_ahead in args.lease_ahead:
-            plain, ours, burning = [], [], []
+            plain, ours, burning, shaped = [], [], [], []
             for _ in range(args.runs):
                 n, s = run_plain(paths, args.batch)
                 assert n == expected, (n, expected)
@@ -156,10 +183,17 @@ def main() -> None:
                     n, s = run_plain_burning(paths, args.batch, args.burner)
                     assert n == expected, (n, expected)
                     burning.append(s)
+                if args.structure:
+                    n, s = run_structure(paths, args.batch, lease_ahead)
+                    assert n == expected, (n, expected)
+                    shaped.append(s)
             p, o = statistics.median(plain), statistics.median(ours)
             line = (f"lease_ahead={lease_ahead:<3d} plain {p:.3f}s ({expected / p:,.0f} rec/s)  "
                     f"wq_sql {o:.3f}s ({expected / o:,.0f} rec/s)  ratio {p / o:.2f}x  "
                     f"[{'meets' if p / o >= 0.9 else 'below'} 0.9x]  best runs {min(plain) / min(ours):.2f}x")
+            if shaped:
+                line += (f"  | the same pipeline from a list: {p / statistics.median(shaped):.2f}x "
+                         f"(best {min(plain) / min(shaped):.2f}x)")
             if burning:
                 line += (f"  | plain beside a {args.burner:.0%} burner: {p / statistics.median(burning):.2f}x "
                          f"(best {min(plain) / min(burning):.2f}x)")

@@ -6,7 +6,9 @@ Workers wait for each other at a file barrier before reading, so that they reall
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,8 +83,6 @@ def mirrored(job: dict[str, Any]) -> dict[str, Any]:
     """One worker of a MultiWorkerMirroredStrategy custom training loop over a shared queue: items
     of 1 to 3 elements, so workers end with uneven data; each step all-reduces the number of
     elements every worker fed it."""
-    import os
-
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"localhost:{p}" for p in job["ports"]]},
         "task": {"type": "worker", "index": job["index"]}})
@@ -119,6 +119,9 @@ def mirrored(job: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # A worker still running after this long is hung: its Python stacks go to stderr, which the
+    # test's failure message shows.
+    faulthandler.dump_traceback_later(float(os.environ.get("WQ_SQL_TEST_HANG_DUMP", "100")), exit=False)
     job = json.loads(sys.argv[1])
     modes = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines, "mirrored": mirrored}
     report = modes[job["mode"]](job)
