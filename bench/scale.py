@@ -405,7 +405,7 @@ def _raw_epoch(url: str, qid: int, n: int, epoch: int, seed: int) -> None:
 
 
 def _advance(url: str, qid: int, have: int) -> float:
-    """``ops.advance_epoch`` in its own transaction, as ``WorkQueue._advance_epoch`` runs it."""
+    """``ops.advance_epoch`` in its own transaction, as ``epochs.EpochMaker.make`` runs it."""
     from wq_sql import ops
 
     eng = sa.create_engine(resolve_url(url))

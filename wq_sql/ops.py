@@ -76,7 +76,7 @@ checkpoints = cast(Table, CheckpointRecord.__table__)
 
 INSERT_CHUNK = 10_000
 EPOCH_CHUNK = 1_000_000  # item rows per INSERT ... SELECT of an epoch
-# Rows per transaction when a worker makes the next epoch (WorkQueue._advance_epoch): a few ms
+# Rows per transaction when a worker makes the next epoch (epochs.EpochMaker.make): a few ms
 # of SQLite's write lock, a few MB of Postgres WAL.
 EPOCH_CHUNK_SQLITE = 2_000
 EPOCH_CHUNK_PG = 10_000

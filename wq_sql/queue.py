@@ -4,7 +4,6 @@ items and the heartbeat thread. Statements live in ``wq_sql.ops``."""
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import random
@@ -24,6 +23,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from wq_sql import ops
 from wq_sql.engine import Backend, driver_transaction, make_engine, resolve_url, safe_url
+from wq_sql.epochs import EpochMaker
 from wq_sql.errors import (
     DatabaseBusy,
     InvalidInput,
@@ -51,7 +51,6 @@ from wq_sql.plan import (
     check_num_slices,
     check_seed,
     check_text,
-    epoch_order,
     new_seed,
     normalize_works,
 )
@@ -66,9 +65,6 @@ CHECKPOINT_SECONDS = 1.0  # SQLite: how often the heartbeat thread checkpoints t
 # SQLite: the longest a statement waits for the write lock before _retrying tries again, after
 # LOCK_RETRY seconds (with jitter): see engine.make_engine(lock_slice=).
 LOCK_SLICE, LOCK_RETRY = 0.05, 0.002
-# The background epoch maker pauses this many times its chunk's time (at least MAKER_PAUSE_MIN
-# seconds) after each chunk: it holds SQLite's write lock at most a tenth of the time.
-MAKER_PAUSE, MAKER_PAUSE_MIN = 9.0, 0.01
 
 
 class WorkItem(str):
@@ -199,10 +195,7 @@ class WorkQueue:
         self._pace = Pace()                          # how often this worker takes items
         self._jit: Optional[JustInTime] = None       # claims the next item just in time
         self._no_expire_until = 0.0                  # after an outage: let others renew first
-        self._advancer: Optional[threading.Thread] = None  # makes the next epoch
-        self._making: Optional[tuple[int, Sequence[int]]] = None  # (epoch, its order) being made here
-        self._advance_to = -1  # the background maker makes epochs up to this one
-        self._leaving = threading.Event()  # close(): the epoch maker stops between chunks
+        self._epochs = EpochMaker(self)              # makes the next epochs
         self._filled = threading.Condition(self._lock)
 
         try:
@@ -472,12 +465,12 @@ class WorkQueue:
         self._settle_acks(acks, accepted)
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
-            self._advance_after(got)
+            self._epochs.after_claim(got)
             return
         # Nothing pending. The next epoch may be missing (a crash between a claim and its
         # advance), the queue may be finished (checked before expiring leases: a finished queue
         # holds none, and the end of every worker's drain comes here), or leases may have expired.
-        if self._advance_epoch():
+        if self._epochs.make():
             return self._fill(limit)
         def finished(c: Connection) -> tuple[int, int, int]:
             done, failed = ops.progress(c, qid)
@@ -531,89 +524,8 @@ class WorkQueue:
             finally:
                 self._filling = False
                 self._filled.notify_all()
-        self._advance_after(got)
+        self._epochs.after_claim(got)
         return len(got)
-
-    def _advance_after(self, got: Sequence[ops.Claimed]) -> None:
-        """The worker that claims the first item (``seq`` 0) of epoch ``e`` makes epoch ``e + 1``,
-        in a background thread, so that no ``take()`` waits for it: exactly one worker per epoch
-        (unless that item is claimed again after a lease expired), and one permutation computed,
-        not one per worker (a million-work permutation is most of a second of Python)."""
-        firsts = [g.epoch for g in got if g.seq == 0]
-        if firsts:
-            self._advance_soon(max(firsts) + 1)
-
-    def _advance_soon(self, epoch: int) -> None:
-        """Make epochs up to ``epoch`` in a background thread (one per queue object). If it
-        fails or stops, ``take()`` makes what is missing once nothing else is pending."""
-        if epoch >= self.num_epochs:
-            return
-        self._advance_to = max(self._advance_to, epoch)
-        t = self._advancer
-        if t is not None and t.is_alive():
-            return
-        self._advancer = threading.Thread(target=_advance_in_background, args=(weakref.ref(self),),
-                                          name=f"wq_sql-next-epoch-{self.name}", daemon=True)
-        self._advancer.start()
-
-    def _advance_epoch(self, *, background: bool = False) -> bool:
-        """Make the next epoch, ``epoch_chunk`` rows per transaction (``ops.advance_epoch``), so
-        that no claim waits long for SQLite's write lock or behind Postgres' WAL. True if rows
-        were made or the count of complete epochs changed.
-
-        In the background (:meth:`_advance_soon`): every epoch up to ``_advance_to``, pausing
-        after each chunk for nine times its time (``MAKER_PAUSE``) so that other workers'
-        claims get the lock between chunks. It waits while an earlier epoch is being made by
-        another worker, and leaves an epoch that another worker started to that worker. From
-        ``take()`` with nothing pending: one chunk of the next epoch, whoever started it (its
-        maker may have died), then the rest in the background."""
-        qid = self._qid
-        made_rows = False
-        while self._epochs_created < self.num_epochs and not self._leaving.is_set():
-            have = self._epochs_created
-            if background and have > self._advance_to:
-                return made_rows
-            making = self._making  # one read: the background maker may reset it meanwhile
-            if making is None or making[0] != have:
-                # Not ours yet: look before computing the order (O(n) Python). Once it is ours,
-                # ops.advance_epoch's own checks suffice (None: made meanwhile, or locked).
-                created, made = self._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
-                if created != have:
-                    self._epochs_created = created
-                    if not background:
-                        return True
-                    continue
-                if background and made > 0:
-                    if have == self._advance_to:
-                        return made_rows  # another worker is making it
-                    self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
-                    continue
-                order: Sequence[int] = epoch_order(self.items_per_epoch, have, self.shuffle, self.seed)
-                self._making = (have, order)
-            else:
-                order = making[1]
-            t = time.monotonic()
-            new = self._tx(functools.partial(ops.advance_epoch, qid=qid, have=have, chunk=self.epoch_chunk,
-                                             order=order))
-            if new is None:  # another worker holds the queue row (Postgres) or completed the epoch
-                created = self._tx(lambda c: ops.epochs_created(c, qid), read=True)
-                changed = created != self._epochs_created
-                self._epochs_created = created
-                if not background or not changed:
-                    return made_rows or changed
-                continue
-            made_rows = True
-            if new > have:
-                self._epochs_created = new
-                self._making = None
-                if not background:
-                    return True
-                continue
-            if not background:
-                self._advance_soon(have)
-                return True
-            self._leaving.wait(max(MAKER_PAUSE_MIN, MAKER_PAUSE * (time.monotonic() - t)))
-        return made_rows
 
     def _settle_acks(self, sent: list[WorkItem], accepted: set[int]) -> list[WorkItem]:
         lost = []
@@ -759,10 +671,8 @@ class WorkQueue:
         jit = self._jit
         if jit is not None and os.getpid() == self._pid:
             jit.stop()  # outside the lock: its claim in flight needs the lock to finish
-        adv = self._advancer
-        if adv is not None and os.getpid() == self._pid:
-            self._leaving.set()  # the maker stops after its chunk in flight commits
-            adv.join(timeout=self.busy_timeout)
+        if os.getpid() == self._pid:
+            self._epochs.stop(timeout=self.busy_timeout)
         with self._lock:
             if self._closed:
                 return
@@ -836,7 +746,7 @@ class WorkQueue:
             self._filling = False
             self._handed = 0
             self._jit = None  # the parent's threads do not exist here
-            self._advancer = None
+            self._epochs.forget_thread()
             self._pace = Pace()
             self._buffer.clear()
             self._out.clear()
@@ -889,22 +799,6 @@ class WorkQueue:
         n = self._tx(lambda c: ops.expire(c, b, self._qid, self.max_attempts))
         if n:
             log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
-
-
-def _epoch_state(conn: Connection, qid: int, epoch: int) -> tuple[int, int]:
-    """(complete epochs, rows of ``epoch`` made so far)."""
-    return ops.epochs_created(conn, qid), ops.rows_made(conn, qid, epoch)
-
-
-def _advance_in_background(ref: weakref.ref[WorkQueue]) -> None:
-    queue = ref()
-    if queue is None:
-        return
-    try:
-        queue._advance_epoch(background=True)
-    except Exception as e:  # take() makes the epoch itself when it needs it
-        log.warning("queue %r: making the next epoch in the background failed (%s: %s); take() "
-                    "will make it when it needs it", queue.name, type(e).__name__, str(e)[:200])
 
 
 def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:

@@ -27,15 +27,17 @@ Throughput: ``input_dataset`` keeps the core's buffer topped up from a backgroun
 ``tf.data`` pull finds items already claimed instead of waiting for a database round trip, and it
 hands them to the pipeline ``k = ceil(lease_ahead / 2)`` at a time
 (:meth:`wq_sql.WorkQueue.take_many`, unbatched inside the dataset), because the Python call
-itself costs about as much as reading a small file. The thread claims once ``k`` places are
-free, so one round trip claims about ``k`` items. Bounds: claimed items the pipeline has not yet
+itself costs about as much as reading a small file. The first pull claims at most 32 items
+itself (the pipeline starts after a short round trip); then the thread claims once ``k`` places
+are free, so one round trip claims about ``k`` items. Bounds: claimed items the pipeline has not yet
 reached (buffered, plus those of the last hand-out beyond the first) stay at most
 ``lease_ahead``; one refill at a time. Consumed: the items of one hand-out are done when the
 next hand-out is taken, which tf.data does only after the pipeline pulled all of them, so an
 item is never done before the pipeline reached it; after a crash, up to ``k - 1`` items that
 were already read may be delivered again (never lost). With ``lease_ahead=1`` (the default)
 nothing changes but the overlap: one item per call and per round trip. For many small files use
-a larger ``lease_ahead`` (``bench/tf_textline.py``; numbers in ``BENCHMARKS.md``).
+a larger ``lease_ahead``, so that the items claimed ahead cover tens of milliseconds of reading
+(``bench/tf_textline.py``; numbers in ``BENCHMARKS.md``).
 
 Checkpoint-consistent consumption (``WorkQueue(..., consumed="checkpoint")``): items handed to
 the pipeline stay claimed until a model checkpoint covers them; :meth:`WorkQueue.checkpoint_manager`

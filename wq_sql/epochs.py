@@ -1,0 +1,151 @@
+"""Who makes a queue's next epoch, and when: the worker that claims an epoch's first item, in a
+background thread, a chunk of rows per transaction (the rows themselves: ``ops.advance_epoch``).
+One :class:`EpochMaker` per :class:`wq_sql.WorkQueue` object."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
+
+from sqlalchemy import Connection
+
+from wq_sql import ops
+from wq_sql.plan import epoch_order
+
+if TYPE_CHECKING:
+    from wq_sql.queue import WorkQueue
+
+log = logging.getLogger("wq_sql")
+
+# The background maker pauses this many times its chunk's time (at least MAKER_PAUSE_MIN
+# seconds) after each chunk: it holds SQLite's write lock at most a tenth of the time.
+MAKER_PAUSE, MAKER_PAUSE_MIN = 9.0, 0.01
+
+
+class EpochMaker:
+    """Makes the epochs of one queue object: after a claim (:meth:`after_claim`), in a background
+    thread, or from ``take()`` when nothing is pending (:meth:`make`). It keeps the queue's
+    ``_epochs_created`` up to date; the queue holds it, it holds the queue weakly."""
+
+    def __init__(self, queue: WorkQueue) -> None:
+        self._queue = weakref.ref(queue)
+        self._thread: Optional[threading.Thread] = None
+        self._making: Optional[tuple[int, Sequence[int]]] = None  # (epoch, its order) being made here
+        self._up_to = -1  # the background maker makes epochs up to this one
+        self._leaving = threading.Event()  # the queue is closing: stop between chunks
+
+    def after_claim(self, got: Sequence[ops.Claimed]) -> None:
+        """The worker that claims the first item (``seq`` 0) of epoch ``e`` makes epoch ``e + 1``,
+        in a background thread, so that no ``take()`` waits for it: exactly one worker per epoch
+        (unless that item is claimed again after a lease expired), and one permutation computed,
+        not one per worker (a million-work permutation is most of a second of Python)."""
+        firsts = [g.epoch for g in got if g.seq == 0]
+        if firsts:
+            self.soon(max(firsts) + 1)
+
+    def soon(self, epoch: int) -> None:
+        """Make epochs up to ``epoch`` in a background thread (one per queue object). If it
+        fails or stops, ``take()`` makes what is missing once nothing else is pending."""
+        queue = self._queue()
+        if queue is None or epoch >= queue.num_epochs:
+            return
+        self._up_to = max(self._up_to, epoch)
+        t = self._thread
+        if t is not None and t.is_alive():
+            return
+        self._thread = threading.Thread(target=self._run, name=f"wq_sql-next-epoch-{queue.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """The queue is closing: the background maker stops after its chunk in flight commits."""
+        t = self._thread
+        if t is not None:
+            self._leaving.set()
+            t.join(timeout=timeout)
+
+    def forget_thread(self) -> None:
+        """After ``fork()``: the parent's thread does not exist in the child."""
+        self._thread = None
+
+    def _run(self) -> None:
+        queue = self._queue()
+        if queue is None:
+            return
+        try:
+            self.make(background=True)
+        except Exception as e:  # take() makes the epoch itself when it needs it
+            log.warning("queue %r: making the next epoch in the background failed (%s: %s); take() "
+                        "will make it when it needs it", queue.name, type(e).__name__, str(e)[:200])
+
+    def make(self, *, background: bool = False) -> bool:
+        """Make the next epoch, ``epoch_chunk`` rows per transaction (``ops.advance_epoch``), so
+        that no claim waits long for SQLite's write lock or behind Postgres' WAL. True if rows
+        were made or the count of complete epochs changed.
+
+        In the background (:meth:`soon`): every epoch up to ``_up_to``, pausing after each chunk
+        for nine times its time (``MAKER_PAUSE``) so that other workers' claims get the lock
+        between chunks. It waits while an earlier epoch is being made by another worker, and
+        leaves an epoch that another worker started to that worker. From ``take()`` with nothing
+        pending: one chunk of the next epoch, whoever started it (its maker may have died), then
+        the rest in the background."""
+        q = self._queue()
+        if q is None:
+            return False
+        qid = q._qid
+        made_rows = False
+        while q._epochs_created < q.num_epochs and not self._leaving.is_set():
+            have = q._epochs_created
+            if background and have > self._up_to:
+                return made_rows
+            making = self._making  # one read: the background maker may reset it meanwhile
+            if making is None or making[0] != have:
+                # Not ours yet: look before computing the order (O(n) Python). Once it is ours,
+                # ops.advance_epoch's own checks suffice (None: made meanwhile, or locked).
+                created, made = q._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
+                if created != have:
+                    q._epochs_created = created
+                    if not background:
+                        return True
+                    continue
+                if background and made > 0:
+                    if have == self._up_to:
+                        return made_rows  # another worker is making it
+                    self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
+                    continue
+                order: Sequence[int] = epoch_order(q.items_per_epoch, have, q.shuffle, q.seed)
+                self._making = (have, order)
+            else:
+                order = making[1]
+            t = time.monotonic()
+            new = q._tx(functools.partial(ops.advance_epoch, qid=qid, have=have, chunk=q.epoch_chunk,
+                                          order=order))
+            if new is None:  # another worker holds the queue row (Postgres) or completed the epoch
+                created = q._tx(lambda c: ops.epochs_created(c, qid), read=True)
+                changed = created != q._epochs_created
+                q._epochs_created = created
+                if not background or not changed:
+                    return made_rows or changed
+                continue
+            made_rows = True
+            if new > have:
+                q._epochs_created = new
+                self._making = None
+                if not background:
+                    return True
+                continue
+            if not background:
+                self.soon(have)
+                return True
+            self._leaving.wait(max(MAKER_PAUSE_MIN, MAKER_PAUSE * (time.monotonic() - t)))
+        return made_rows
+
+
+def _epoch_state(conn: Connection, qid: int, epoch: int) -> tuple[int, int]:
+    """(complete epochs, rows of ``epoch`` made so far)."""
+    return ops.epochs_created(conn, qid), ops.rows_made(conn, qid, epoch)
