@@ -457,7 +457,7 @@ class WorkQueue:
     def _fill(self, limit: Optional[int] = None) -> None:
         """One round trip: acknowledge finished items and claim up to ``limit`` (at most
         ``lease_ahead``, the default) new ones. If none is claimable, try to make the next epoch,
-        return expired items, or detect the end."""
+        detect the end, or return expired items, in that order."""
         b, qid = self._backend, self._qid
         acks = list(self._acks.values())
         limit = self.lease_ahead if limit is None else max(1, min(limit, self.lease_ahead))
