@@ -51,14 +51,19 @@ out. The rules, the race with TensorFlow's threads and the bounds: ``docs/design
 
 Synchronous training (``MultiWorkerMirroredStrategy``): workers take different numbers of items,
 so their data ends unevenly, and a worker that stops stepping leaves the others waiting in a
-collective. Iterate the dataset through ``strategy.experimental_distribute_dataset(...)`` (or
-``distribute_datasets_from_function``) in a custom loop: TensorFlow's distributed iterator
-all-reduces at each step whether every worker still has data, so all workers run the same
-number of steps (the last with partial or empty batches) and end together
-(``tests/tf/test_tf_sync.py``). Keras 3's ``model.fit`` did not run under that strategy with two
-workers in the tested TensorFlow 2.21 even on a plain ``tf.data.Dataset`` (a ``ValueError``
-converting ``PerReplica`` values), so it is not covered. No other end-together mechanism is
-provided.
+collective. Construct the queue with ``synchronous=True`` and iterate the dataset through
+``strategy.experimental_distribute_dataset(...)`` (or ``distribute_datasets_from_function``) in a
+custom loop: TensorFlow's distributed iterator all-reduces at each step whether every worker
+still has data, so all workers run the same number of steps (the last with partial or empty
+batches) and end together (``tests/tf/test_tf_sync.py``). ``synchronous=True`` ends a worker's
+data as soon as nothing is claimable and other workers hold the rest, instead of waiting for
+those items (by default a worker waits, because a dead worker's items come back): a peer
+blocked in a collective that waits for this worker would never finish them, a deadlock that
+hung this test in 4 of ~55 runs without it. The price: if a peer dies holding items, the job
+(which a synchronous strategy cannot continue anyway) is restarted and they are taken then.
+Keras 3's ``model.fit`` did not run under that strategy with two workers in the tested
+TensorFlow 2.21 even on a plain ``tf.data.Dataset`` (a ``ValueError`` converting ``PerReplica``
+values), so it is not covered. No other end-together mechanism is provided.
 """
 
 from __future__ import annotations
@@ -97,9 +102,10 @@ _FIRST_CLAIM = 32
 class WorkQueue:
     """DeepRec's ``WorkQueue`` for TensorFlow programs, backed by a wq_sql job table.
 
-    Takes exactly the arguments of :class:`wq_sql.WorkQueue` (DeepRec's ``works, num_epochs,
-    shuffle, seed, prefix, num_slices, name`` first, then wq_sql's keyword-only ``url=``,
-    ``worker=``, ``lease_ahead=`` ...)::
+    Takes the arguments of :class:`wq_sql.WorkQueue` (DeepRec's ``works, num_epochs, shuffle,
+    seed, prefix, num_slices, name`` first, then wq_sql's keyword-only ``url=``, ``worker=``,
+    ``lease_ahead=`` ...), plus ``consumed=`` (see the module docstring, checkpoint-consistent
+    consumption) and ``synchronous=`` (see the module docstring, synchronous training)::
 
         from wq_sql.tf import WorkQueue
         wq = WorkQueue(["a.csv", "b.csv", "c.csv"], num_epochs=2, url="sqlite:///q.db")
@@ -111,7 +117,8 @@ class WorkQueue:
     :meth:`close` / leaving a ``with`` block).
     """
 
-    def __init__(self, *args: Any, consumed: str = "taken", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, consumed: str = "taken", synchronous: bool = False,
+                 **kwargs: Any) -> None:
         if consumed not in ("taken", "checkpoint"):
             raise ValueError(f"consumed must be 'taken' (DeepRec) or 'checkpoint', got {consumed!r}")
         if consumed == "checkpoint":
@@ -120,6 +127,7 @@ class WorkQueue:
                                  "next take: leave auto_complete unset")
             kwargs["auto_complete"] = False
         self.consumed = consumed
+        self.synchronous = bool(synchronous)
         self._ledger = _Ledger()
         self.queue = _CoreQueue(*args, **kwargs)
         self._stats_lock = threading.Lock()
@@ -207,6 +215,14 @@ class WorkQueue:
 
     def _take_items_now(self, n: int, cancel_generation: Optional[int],
                         claim: Optional[int]) -> list[WorkItem]:
+        if self.synchronous:
+            # Never wait for items other workers hold: under a synchronous strategy they may be
+            # blocked in a collective that waits for this worker, and would never finish them.
+            try:
+                return self.queue.take_many(n, timeout=0, claim=claim)
+            except QueueEmpty:
+                p = self.queue.progress()
+                raise QueueExhausted(self.name, p.done, p.failed) from None
         if self.consumed == "checkpoint":
             return self._take_until_checkpointed(n, cancel_generation, claim)
         while True:

@@ -39,3 +39,31 @@ def test_mirrored_workers_with_uneven_items_end_together(tmp_path: Path) -> None
     assert sum(r["local"] for r in reports) == 60          # every element trained on once
     assert reports[0]["steps"] == reports[1]["steps"]      # ... in the same number of steps
     assert reports[0]["all_reduced"] == reports[1]["all_reduced"] == 60
+
+
+def test_synchronous_ends_a_workers_data_instead_of_waiting_for_a_peers_items(tmp_path: Path) -> None:
+    """The deadlock the option removes, without a strategy: a peer holds the last items (claimed
+    ahead, as its prefetch thread does) and, in synchronous training, would be blocked in a
+    collective waiting for this worker. By default this worker's pull waits for those items;
+    with ``synchronous=True`` its data ends, and the peer still gets them."""
+    import tensorflow as tf
+
+    import wq_sql
+    from wq_sql.tf import WorkQueue
+
+    url = f"sqlite:///{tmp_path / 'wq.db'}"
+    works = [f"w{i}" for i in range(4)]
+    peer = wq_sql.WorkQueue(works, shuffle=False, name="sync", url=url, worker="peer", lease_ahead=3)
+    assert peer.take_many(2) == ["w0", "w1"]      # w2 claimed ahead too
+    assert peer.prefetch() == 1                   # w3: nothing left to claim
+    waiting = WorkQueue.attach("sync", url=url, worker="waiting")
+    with pytest.raises(wq_sql.QueueEmpty):
+        waiting.queue.take(timeout=0.3)           # the default take waits for the peer's items
+    ending = WorkQueue.attach("sync", url=url, worker="ending", synchronous=True)
+    assert list(ending.input_dataset()) == []     # ends at once
+    with pytest.raises(tf.errors.OutOfRangeError):
+        ending.take()
+    assert [str(i) for i in peer.take_many(4)] == ["w2", "w3"]
+    for wq in (waiting, ending, peer):
+        wq.close()
+    assert wq_sql.WorkQueue.attach("sync", url=url, worker="check").progress().done == 4

@@ -91,7 +91,8 @@ def mirrored(job: dict[str, Any]) -> dict[str, Any]:
     from wq_sql.tf import WorkQueue
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    work_queue = WorkQueue(job["works"], name="mirrored", url=job["url"], worker=f"worker:{job['index']}")
+    work_queue = WorkQueue(job["works"], name="mirrored", url=job["url"], worker=f"worker:{job['index']}",
+                           synchronous=True)
 
     def elements(work: tf.Tensor) -> tf.data.Dataset:
         n = tf.strings.to_number(tf.strings.substr(work, 1, 9), tf.int64) % 3 + 1
