@@ -13,6 +13,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -113,6 +114,10 @@ class Worker(Base):
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
     # NULL once the worker closed cleanly.
     heartbeat_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
+    # How often this incarnation beats (seconds): others judge it stale after missed beats.
+    beat_seconds: Mapped[Optional[float]] = mapped_column(Float)
+    # Items it has claimed but not yet handed to its consumer, as of its last heartbeat.
+    buffered: Mapped[Optional[int]] = mapped_column(Integer)
 
 
 class Item(Base):
