@@ -133,6 +133,7 @@ class EpochMaker:
                     return made_rows or changed
                 continue
             made_rows = True
+            q.wake()  # a take() of this process waiting for rows claims them now
             if new > have:
                 q._epochs_created = new
                 self._making = None

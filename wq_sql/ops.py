@@ -509,14 +509,15 @@ def expire(conn: Connection, b: Backend, qid: int, max_attempts: int) -> int:
 
 
 def renew(conn: Connection, b: Backend, worker_id: int, incarnation: str, tokens: Sequence[int],
-          lease_seconds: float, max_item_seconds: Optional[float]) -> bool:
-    """Heartbeat: refresh the worker row and the leases of the items this incarnation holds.
+          lease_seconds: float, max_item_seconds: Optional[float], buffered: int = 0) -> bool:
+    """Heartbeat: refresh the worker row (with how many of its items are ``buffered``: claimed,
+    not yet handed out) and the leases of the items this incarnation holds.
 
     Returns False when another process has taken over this identity (the row's incarnation
     changed): the caller must stop using its items."""
     alive = conn.execute(update(workers).where(workers.c.id == worker_id,
                                                workers.c.incarnation == incarnation)
-                         .values(heartbeat_at=b.now())).rowcount
+                         .values(heartbeat_at=b.now(), buffered=buffered)).rowcount
     if not alive:
         return False
     if tokens:
@@ -606,18 +607,42 @@ def progress(conn: Connection, qid: int) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-def peek(conn: Connection, b: Backend, qid: int) -> tuple[bool, bool, int, int]:
-    """What a waiting worker polls, read-only (no write lock on SQLite): whether an item is
-    pending, whether a lease has expired, how many items are finished, and how many epochs have
-    rows. Three index probes: pending and claimed rows have partial indexes."""
+@dataclass(frozen=True)
+class Peek:
+    """One poll of a waiting worker: whether an item is pending, whether a lease has expired, how
+    many items are finished, how many epochs have rows, how many items this worker holds."""
+
+    pending: bool
+    expired: bool
+    finished: int
+    epochs_created: int
+    mine: int
+
+
+def peek(conn: Connection, b: Backend, qid: int, worker_id: int) -> Peek:
+    """What a waiting worker polls, read-only (no write lock on SQLite): index probes only
+    (pending and claimed rows have partial indexes; the counters are a handful of rows)."""
     pending = select(items.c.id).where(items.c.queue_id == qid, items.c.state == PENDING).limit(1)
     expired = select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED,
                                        items.c.lease_until < b.now()).limit(1)
+    mine = (select(func.count()).select_from(items)
+            .where(items.c.queue_id == qid, items.c.worker_id == worker_id, items.c.state == CLAIMED)
+            .scalar_subquery())
     finished = (select(func.coalesce(func.sum(tallies.c.n_done + tallies.c.n_failed), 0))
                 .where(tallies.c.queue_id == qid).scalar_subquery())
     created = select(queues.c.epochs_created).where(queues.c.id == qid).scalar_subquery()
-    row = conn.execute(select(pending.exists(), expired.exists(), finished, created)).one()
-    return bool(row[0]), bool(row[1]), int(row[2]), int(row[3])
+    row = conn.execute(select(pending.exists(), expired.exists(), finished, created, mine)).one()
+    return Peek(bool(row[0]), bool(row[1]), int(row[2]), int(row[3]), int(row[4]))
+
+
+def held_by(conn: Connection, qid: int, worker_id: int) -> list[Claimed]:
+    """The items ``worker_id`` holds (claimed), in hand-out order."""
+    rows = conn.execute(select(items.c.id, items.c.epoch, items.c.seq, items.c.work_idx, items.c.token,
+                               items.c.attempts)
+                        .where(items.c.queue_id == qid, items.c.worker_id == worker_id,
+                               items.c.state == CLAIMED)
+                        .order_by(items.c.epoch, items.c.seq)).all()
+    return [Claimed(r.id, r.epoch, r.seq, r.work_idx, r.token, r.attempts) for r in rows]
 
 
 def epochs_created(conn: Connection, qid: int) -> int:

@@ -61,6 +61,7 @@ T = TypeVar("T")
 
 _live: weakref.WeakSet[WorkQueue] = weakref.WeakSet()
 _RECENT = 4096  # hand-outs that read() finds by their string alone
+ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know after this many polls
 CHECKPOINT_SECONDS = 1.0  # SQLite: how often the heartbeat thread checkpoints the WAL
 # SQLite: the longest a statement waits for the write lock before _retrying tries again, after
 # LOCK_RETRY seconds (with jitter): see engine.make_engine(lock_slice=).
@@ -196,7 +197,10 @@ class WorkQueue:
         self._jit: Optional[JustInTime] = None       # claims the next item just in time
         self._no_expire_until = 0.0                  # after an outage: let others renew first
         self._epochs = EpochMaker(self)              # makes the next epochs
-        self._filled = threading.Condition(self._lock)
+        # Notified when the buffer gets items or something in this process may have made an
+        # item claimable (``_news`` counts those): a waiting take() wakes at once (see _wait).
+        self._changed = threading.Condition(self._lock)
+        self._news = 0
 
         try:
             self._retrying(lambda: ensure_schema(self._engine, schema))
@@ -385,14 +389,15 @@ class WorkQueue:
         :class:`QueueEmpty` is raised (``timeout=0``: never wait)."""
         return self.take_many(1, timeout)[0]
 
-    def take_many(self, n: int, timeout: Optional[float] = None, *, claim: Optional[int] = None
-                  ) -> list[WorkItem]:
+    def take_many(self, n: int, timeout: Optional[float] = None, *, claim: Optional[int] = None,
+                  stop: Optional[Callable[[], bool]] = None) -> list[WorkItem]:
         """Like :meth:`take`, but hands out up to ``n`` items at once: what the local buffer holds
         (never waiting to gather ``n``), or, when it is empty, what the next round trip claims:
         ``lease_ahead`` items, or ``claim`` (at most ``lease_ahead``) when a thread calling
         :meth:`prefetch` claims the rest. Taking marks every item handed out before as done
         (unless ``auto_complete=False``), so the items of one hand-out are done when the next
-        hand-out is taken."""
+        hand-out is taken. A wait for other workers' items also ends, with :class:`QueueEmpty`,
+        once ``stop()`` is true: make it true, then call :meth:`wake`."""
         self._ensure_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -402,7 +407,7 @@ class WorkQueue:
                     self._acks.update(self._out)
                     self._out.clear()
                 while not self._buffer and self._filling:  # prefetch() is claiming: no 2nd claim
-                    self._filled.wait()
+                    self._changed.wait()
                 if not self._buffer:
                     self._fill(claim)
                 if self._buffer:
@@ -420,32 +425,77 @@ class WorkQueue:
                             self._jit = JustInTime(self)
                         self._jit.schedule(self._pace)
                     return got
-            self._wait(deadline)
+            self._wait(deadline, stop)
 
-    def _wait(self, deadline: Optional[float]) -> None:
-        """Nothing is claimable, but live workers hold items. Poll a read-only probe (cheap for
-        the database even with a thousand waiting workers; no write lock on SQLite) with backoff
-        up to ``poll_seconds``, until an item may be claimable or the queue is finished. The
-        lock is not held, so other threads can complete items meanwhile."""
+    def _wait(self, deadline: Optional[float], stop: Optional[Callable[[], bool]] = None) -> None:
+        """Nothing was claimable, but live workers hold items. Wait until this worker's own buffer
+        holds an item (a refill thread may claim one at any moment, and notifies), something in
+        this process may have made an item claimable (the epoch maker's rows, an item released or
+        expired here: :meth:`wake`), or a poll of the database says an item may be claimable or
+        the queue is finished. Polls are read-only probes (cheap for the database even with a
+        thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
+        the lock is not held during a poll, so other threads can complete items meanwhile."""
         pause = 0.02
         # Poll about as often as this worker took items while it had work (never more than every
         # 20 ms, never less than every poll_seconds): at the end of a drain, the others' last
         # items take about that long, and a 1 s backoff would add up to 1 s to the job.
         cap = min(self.poll_seconds, max(pause, self._pace.interval or self.poll_seconds))
         total = self.items_per_epoch * self.num_epochs
+        with self._lock:
+            news = self._news
+        polls = 0
         while True:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise QueueEmpty(f"no item of queue {self.name!r} is claimable now; other workers "
-                                 "still hold the remaining ones")
-            sleep = pause * (0.5 + random.random())
-            if deadline is not None:
-                sleep = max(0.0, min(sleep, deadline - time.monotonic()))
-            time.sleep(sleep)
+            next_poll = time.monotonic() + pause * (0.5 + random.random())
+            with self._lock:
+                while True:
+                    if self._buffer or self._news != news or self._closed:
+                        return  # take_many() hands out, claims again, or says it is closed
+                    now = time.monotonic()
+                    if (deadline is not None and now >= deadline) or (stop is not None and stop()):
+                        raise QueueEmpty(f"no item of queue {self.name!r} is claimable now; other "
+                                         "workers still hold the remaining ones")
+                    if now >= next_poll:
+                        break
+                    self._changed.wait(min(next_poll, deadline if deadline is not None else next_poll) - now)
             pause = min(pause * 2, cap)
-            pending, expired, finished, created = self._tx(
-                lambda c: ops.peek(c, self._backend, self._qid), read=True)
-            if pending or expired or finished >= total or created != self._epochs_created:
+            peek = self._tx(lambda c: ops.peek(c, self._backend, self._qid, self._worker_id), read=True)
+            if (peek.pending or peek.expired or peek.finished >= total
+                    or peek.epochs_created != self._epochs_created):
                 return
+            polls += 1
+            if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
+                return
+
+    def _adopt_orphans(self) -> bool:
+        """The guard for what the rest cannot prove: items the database says this worker holds
+        but no part of this object knows (claimed into a buffer that no consumer looks at, or
+        claimed by a commit whose reply an outage lost). With the lock held and no refill in
+        flight the local book is complete, so such an item is put in the buffer for the waiting
+        consumer, with a WARNING: it should never happen."""
+        with self._lock:
+            if self._filling or self._closed:
+                return False
+            held = self._tx(lambda c: ops.held_by(c, self._qid, self._worker_id), read=True)
+            known = {i.item_id for i in self._buffer} | self._out.keys() | self._acks.keys()
+            lost = [c for c in held if c.id not in known]
+            if not lost:
+                return False
+            works = self._tx(lambda c: ops.works_by_idx(c, self._qid, [x.work_idx for x in lost]),
+                             read=True)
+            log.warning("queue %r: worker %r holds %d item(s) that it never handed out and no part of "
+                        "it knew about; handing them out now: %s", self.name, self.worker, len(lost),
+                        ", ".join(f"(epoch {c.epoch}, seq {c.seq})" for c in lost))
+            self._buffer.extend(self._wrap(c, works) for c in lost)
+            self._changed.notify_all()
+            return True
+
+    def wake(self) -> None:
+        """Wake every ``take()`` of this object that waits for other workers' items: it looks
+        at its buffer, its ``stop`` condition and the database again now. Called when something
+        in this process may have made an item claimable, or a caller's ``stop`` became true."""
+        with self._lock:
+            self._news += 1
+            self._changed.notify_all()
 
     def __iter__(self) -> Iterator[WorkItem]:
         while True:
@@ -461,12 +511,15 @@ class WorkQueue:
         b, qid = self._backend, self._qid
         acks = list(self._acks.values())
         limit = self.lease_ahead if limit is None else max(1, min(limit, self.lease_ahead))
+        created = self._epochs_created
         accepted, got, works = self._claim_round(acks, limit)
         self._settle_acks(acks, accepted)
         self._buffer.extend(self._wrap(g, works) for g in got)
         if got:
             self._epochs.after_claim(got)
             return
+        if self._epochs_created != created:  # the epoch maker committed rows the claim did not see
+            return self._fill(limit)
         # Nothing pending. The next epoch may be missing (a crash between a claim and its
         # advance), the queue may be finished (checked before expiring leases: a finished queue
         # holds none, and the end of every worker's drain comes here), or leases may have expired.
@@ -515,7 +568,7 @@ class WorkQueue:
             with self._lock:
                 self._acks.update((a.item_id, a) for a in acks)
                 self._filling = False
-                self._filled.notify_all()
+                self._changed.notify_all()
             raise
         with self._lock:  # one critical section: a waiting take() sees the buffer filled
             try:
@@ -523,9 +576,21 @@ class WorkQueue:
                 self._buffer.extend(self._wrap(g, works) for g in got)
             finally:
                 self._filling = False
-                self._filled.notify_all()
+                self._changed.notify_all()
         self._epochs.after_claim(got)
         return len(got)
+
+    def stop_refills(self) -> None:
+        """Claim nothing ahead until the next hand-out: the claim-ahead thread stops (the next
+        ``take()`` starts it again) and a :meth:`prefetch` in flight lands in the buffer first.
+        For a consumer whose data ends before the queue's (``wq_sql.tf``'s synchronous end), so
+        that no item is claimed into a buffer that nobody will look at."""
+        jit = self._jit
+        if jit is not None and os.getpid() == self._pid:
+            jit.stop()
+        with self._lock:
+            while self._filling:
+                self._changed.wait()
 
     def _settle_acks(self, sent: list[WorkItem], accepted: set[int]) -> list[WorkItem]:
         lost = []
@@ -609,6 +674,9 @@ class WorkQueue:
                 accepted = self._tx(lambda c: ops.fail(c, b, qid, wid, keys, error, self.max_attempts))
             self._out.pop(held.item_id, None)
             self._acks.pop(held.item_id, None)
+            if action != "complete" and held.item_id in accepted:
+                self._news += 1  # back in the queue: another thread's take() may claim it
+                self._changed.notify_all()
         if held.item_id not in accepted:
             raise LeaseLost(f"cannot {action} {held!r} (epoch {held.epoch}, seq {held.seq}): its lease "
                             "expired and another worker holds or finished it")
@@ -677,8 +745,9 @@ class WorkQueue:
             if self._closed:
                 return
             while self._filling:  # a prefetch() in flight adds its items to the buffer first
-                self._filled.wait()
+                self._changed.wait()
             self._closed = True
+            self._changed.notify_all()  # takes waiting in other threads see it closed
             _live.discard(self)
             self._stop.set()
             if os.getpid() != self._pid or self._superseded:
@@ -784,13 +853,14 @@ class WorkQueue:
         try:
             tokens = {i.token for pool in (self._buffer, self._out.values(), self._acks.values())
                       for i in pool}
+            buffered = len(self._buffer)
             if self._closed or os.getpid() != self._pid:
                 return
         finally:
             self._lock.release()
         b = self._backend
         ok = self._tx(lambda c: ops.renew(c, b, self._worker_id, self._incarnation, sorted(tokens),
-                                          self.lease_seconds, self.max_item_seconds))
+                                          self.lease_seconds, self.max_item_seconds, buffered))
         if not ok:
             self._superseded = True
             return
@@ -799,6 +869,7 @@ class WorkQueue:
         n = self._tx(lambda c: ops.expire(c, b, self._qid, self.max_attempts))
         if n:
             log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
+            self.wake()
 
 
 def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
@@ -977,7 +1048,7 @@ def _after_fork_in_child() -> None:
     _forking.clear()
     for wq in list(_live):
         wq._lock = threading.RLock()
-        wq._filled = threading.Condition(wq._lock)
+        wq._changed = threading.Condition(wq._lock)
         wq._stop = threading.Event()
         wq._gate = _TxGate()
 

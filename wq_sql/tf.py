@@ -71,10 +71,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import re
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -92,9 +90,6 @@ __all__ = ["WorkQueue", "CheckpointManager", "CheckpointListener", "checkpoint_s
 
 log = logging.getLogger("wq_sql")
 
-# How long one wait of a graph-mode take() lasts before it checks whether its QueueRunner was
-# cancelled (the session is closing). Only reached while other workers hold every remaining item.
-_WAIT_SLICE_SECONDS = 5.0
 # input_dataset's first pull claims at most this many items (see _next_many).
 _FIRST_CLAIM = 32
 
@@ -221,39 +216,50 @@ class WorkQueue:
             try:
                 return self.queue.take_many(n, timeout=0, claim=claim)
             except QueueEmpty:
-                p = self.queue.progress()
-                raise QueueExhausted(self.name, p.done, p.failed) from None
+                return self._end_of_data(n, claim)
         if self.consumed == "checkpoint":
             return self._take_until_checkpointed(n, cancel_generation, claim)
-        while True:
-            try:
-                return self.queue.take_many(
-                    n, timeout=None if cancel_generation is None else _WAIT_SLICE_SECONDS, claim=claim)
-            except QueueEmpty:
-                if cancel_generation is not None and self._cancel_generation != cancel_generation:
-                    raise _Cancelled() from None
+        if cancel_generation is None:
+            return self.queue.take_many(n, claim=claim)
+        try:
+            return self.queue.take_many(n, claim=claim,
+                                        stop=lambda: self._cancel_generation != cancel_generation)
+        except QueueEmpty:
+            raise _Cancelled() from None
 
     def _take_until_checkpointed(self, n: int, cancel_generation: Optional[int],
                                  claim: Optional[int]) -> list[WorkItem]:
         """With ``consumed='checkpoint'`` this worker's items stay claimed until a checkpoint covers
         them, so the core would wait for them forever at the end: the data ends for this worker
-        once every item not done or failed is one it handed out itself."""
+        once every item not done or failed is one it handed out itself. Between checks the
+        core's take waits, woken at once by an item landing in its buffer."""
         pause = 0.02
+        cancelled = None if cancel_generation is None else (
+            lambda: self._cancel_generation != cancel_generation)
         while True:
             try:
-                return self.queue.take_many(n, timeout=0, claim=claim)
+                return self.queue.take_many(n, timeout=pause, claim=claim, stop=cancelled)
             except QueueEmpty:
                 pass
-            if cancel_generation is not None and self._cancel_generation != cancel_generation:
+            if cancelled is not None and cancelled():
                 raise _Cancelled()
-            remaining = self.queue.progress().remaining
-            held = self._ledger.held()
-            if remaining <= held:
+            if self.queue.progress().remaining <= self._ledger.held():
                 self._ledger.ended = True
-                p = self.queue.progress()
-                raise QueueExhausted(self.name, p.done, p.failed)
-            time.sleep(pause * (0.5 + random.random()))
+                return self._end_of_data(n, claim)
             pause = min(2 * pause, self.queue.poll_seconds)
+
+    def _end_of_data(self, n: int, claim: Optional[int]) -> list[WorkItem]:
+        """This worker's data ends without the queue being exhausted (the synchronous end,
+        checkpoint mode's end). A refill thread kicked by the last hand-out may be about to claim
+        an item into the buffer, where no pull would ever look: stop the refills first, then
+        take what they left there; only an empty buffer ends the data."""
+        self._stop_prefetching()
+        self.queue.stop_refills()
+        try:
+            return self.queue.take_many(n, timeout=0, claim=claim)
+        except QueueEmpty:
+            p = self.queue.progress()
+            raise QueueExhausted(self.name, p.done, p.failed) from None
 
     def _take_bytes(self) -> bytes:
         """For ``tf.numpy_function``: ``StopIteration`` is how it raises OutOfRangeError."""
@@ -265,7 +271,9 @@ class WorkQueue:
     def _cancel(self) -> int:
         with self._stats_lock:
             self._cancel_generation += 1
-            return self._cancel_generation
+            generation = self._cancel_generation
+        self.queue.wake()  # a take() waiting for other workers' items sees the cancel now
+        return generation
 
     def _next_many(self) -> np.ndarray:
         """For ``input_dataset``: the next items (up to half of ``lease_ahead``, what the buffer

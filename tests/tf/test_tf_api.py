@@ -16,7 +16,6 @@ import tensorflow as tf
 from tf_support import ENV, write_text_files
 
 import wq_sql
-import wq_sql.tf as wq_tf
 from wq_sql.tf import WorkQueue
 
 v1 = tf.compat.v1
@@ -178,8 +177,8 @@ def test_reader_in_monitored_session_reads_every_line_once(graph: tf.Graph, url:
 
 
 def test_closing_the_session_ends_a_take_waiting_for_other_workers(
-        graph: tf.Graph, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wq_tf, "_WAIT_SLICE_SECONDS", 0.3)
+        graph: tf.Graph, url: str) -> None:
+    """The cancel wakes the waiting take (no time slice: ``WorkQueue.wake``)."""
     other = wq_sql.WorkQueue(["a", "b"], shuffle=False, url=url, worker="other")
     wq = WorkQueue(["a", "b"], shuffle=False, url=url, worker="w")
     assert other.take() == "a"

@@ -67,3 +67,39 @@ def test_synchronous_ends_a_workers_data_instead_of_waiting_for_a_peers_items(tm
     for wq in (waiting, ending, peer):
         wq.close()
     assert wq_sql.WorkQueue.attach("sync", url=url, worker="check").progress().done == 4
+
+
+def test_synchronous_end_takes_what_a_refill_claimed_after_the_take_gave_up(db_url: str) -> None:
+    """Issue 13's interleaving at the synchronous end: the pull's take finds nothing claimable
+    and gives up; a moment later a refill (the prefetch thread kicked by the last hand-out)
+    claims an item the peer just released into this worker's buffer. Ending the data there
+    would strand that item in a buffer no pull looks at; the data ends only once the refills
+    are stopped and the buffer is empty."""
+    import wq_sql
+    from wq_sql.tf import WorkQueue
+
+    peer = wq_sql.WorkQueue(["a", "b"], shuffle=False, name="sync", url=db_url, worker="peer",
+                            lease_ahead=2, auto_complete=False)
+    assert peer.take_many(2) == ["a", "b"]
+    ending = WorkQueue.attach("sync", url=db_url, worker="ending", synchronous=True)
+    core = ending.queue
+    real_take_many = core.take_many
+    first = [True]
+
+    def take_many(n: int, timeout: float | None = None, *, claim: int | None = None) -> list:
+        try:
+            return real_take_many(n, timeout, claim=claim)
+        except wq_sql.QueueEmpty:
+            if first[0]:
+                first[0] = False
+                peer.release("b")
+                assert core.prefetch() == 1  # what the refill thread does, just too late
+            raise
+
+    core.take_many = take_many  # type: ignore[method-assign]
+    assert [x.decode() for x in ending.input_dataset().as_numpy_iterator()] == ["b"]
+    peer.complete("a")
+    ending.close()
+    peer.close()
+    with wq_sql.WorkQueue.attach("sync", url=db_url, worker="check") as check:
+        assert check.progress().done == 2

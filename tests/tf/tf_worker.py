@@ -119,11 +119,30 @@ def mirrored(job: dict[str, Any]) -> dict[str, Any]:
     return {"steps": steps, "all_reduced": elements_seen, "local": local, "taken": taken}
 
 
+def tiny(job: dict[str, Any]) -> dict[str, Any]:
+    """The simplest TF pipeline, as issue 13 ran it: six words, three shuffled epochs, every item
+    printed as the pipeline yields it."""
+    import tensorflow as tf  # noqa: F401  (TensorFlow before the barrier: both start together)
+
+    from wq_sql.tf import WorkQueue
+
+    barrier(job["barrier"], job["worker"], job["n_workers"])
+    wq = WorkQueue([b"fast", b"fox", b"jumps", b"over", b"lazy", b"dog"], num_epochs=3, shuffle=True,
+                   name=job["name"], url=job["url"], worker=job["worker"])
+    got = []
+    for x in wq.input_dataset():
+        got.append(x.numpy().decode())
+        print(got[-1], flush=True)
+    wq.close()
+    return {"got": got}
+
+
 if __name__ == "__main__":
     # A worker still running after this long is hung: its Python stacks go to stderr, which the
     # test's failure message shows.
     faulthandler.dump_traceback_later(float(os.environ.get("WQ_SQL_TEST_HANG_DUMP", "100")), exit=False)
     job = json.loads(sys.argv[1])
-    modes = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines, "mirrored": mirrored}
+    modes = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines, "mirrored": mirrored,
+             "tiny": tiny}
     report = modes[job["mode"]](job)
     print(json.dumps(report))
