@@ -116,14 +116,6 @@ def test_composite_and_named_keys(db_url: str) -> None:
     assert sorted(nokey) == list(range(50))
 
 
-def test_a_non_unique_key_still_reads_every_row_once(db_url: str) -> None:
-    make_table(db_url, "grouped", [(i % 4, f"r{i}") for i in range(100)], key="none")  # 4 key values
-    with WorkQueue(["table:grouped?key=id"], num_slices=10, url=db_url) as wq:
-        assert wq.items_per_epoch <= 4  # cuts at equal keys merge
-        got = sorted(r for recs in drain(wq).values() for r in recs)
-    assert got == sorted((i % 4, f"r{i}") for i in range(100))
-
-
 CREATOR = """
 import sys
 from wq_sql import WorkQueue
