@@ -68,6 +68,7 @@ from wq_sql.engine import make_engine, resolve_url, safe_url
 from wq_sql.errors import InvalidInput
 from wq_sql.plan import cut
 from wq_sql.sources.base import Slice
+from wq_sql.sources.redact import redact
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
 _WORK = re.compile(r"^table:(?://(?P<alias>[^/?]*)/)?(?P<table>[^?]*)(?:\?(?P<query>.*))?$", re.S)
@@ -84,30 +85,32 @@ class TableRef:
 
 def parse(work: str) -> TableRef:
     m = _WORK.match(work)
+    shown = redact(work)
     if not m:
-        raise InvalidInput(f"{work!r} is not a table work: write table:<name>, table:<schema>.<name> "
+        raise InvalidInput(f"{shown!r} is not a table work: write table:<name>, table:<schema>.<name> "
                            "or table://<alias>/<name>, optionally ?key=<column>[,<column>]")
     alias, table, query = m.group("alias"), m.group("table"), m.group("query")
     if alias is not None and ("@" in alias or ":" in alias):
-        raise InvalidInput(f"work {work!r} carries connection details; name the database by an alias "
+        raise InvalidInput(f"work {shown!r} carries connection details; name the database by an alias "
                            "(table://<alias>/<table>) and configure it with "
                            "wq_sql.register_database('<alias>', url) or $WQ_SQL_DB_<ALIAS>")
     if alias is not None and not re.fullmatch(_IDENT, alias):
-        raise InvalidInput(f"database alias {alias!r} in {work!r} must be a plain identifier "
+        raise InvalidInput(f"database alias {alias!r} in {shown!r} must be a plain identifier "
                            "(letters, digits, _)")
     parts = table.split(".")
     if not 1 <= len(parts) <= 2 or not all(re.fullmatch(_IDENT, p) for p in parts):
-        raise InvalidInput(f"table name {table!r} in {work!r} must be <name> or <schema>.<name> made "
-                           "of letters, digits and _ (other names cannot be sliced)")
+        raise InvalidInput(f"table name {redact(table)!r} in {shown!r} must be <name> or <schema>.<name> "
+                           "made of letters, digits and _ (other names cannot be sliced)")
     key = None
     if query is not None:
         params = dict(p.partition("=")[::2] for p in query.split("&"))
-        unknown = sorted(set(params) - {"key"})
+        unknown = sorted(redact(p) for p in set(params) - {"key"})
         if unknown:
-            raise InvalidInput(f"unknown parameter(s) {unknown} in {work!r}: only ?key=<column>[,<column>]")
+            raise InvalidInput(f"unknown parameter(s) {unknown} in {shown!r}: only ?key=<column>[,<column>]")
         key = tuple(params["key"].split(","))
         if not all(re.fullmatch(_IDENT, k) for k in key):
-            raise InvalidInput(f"key columns {params['key']!r} in {work!r} must be plain identifiers")
+            raise InvalidInput(f"key columns {redact(params['key'])!r} in {shown!r} must be plain "
+                               "identifiers")
     return TableRef(alias, parts[0] if len(parts) == 2 else None, parts[-1], key)
 
 
@@ -122,7 +125,7 @@ def register_database(alias: str, url: Union[str, URL, Engine]) -> None:
     """Name a database for ``table://<alias>/<table>`` works in this process (or set
     ``$WQ_SQL_DB_<ALIAS>``, upper case, to its URL)."""
     if not isinstance(alias, str) or not re.fullmatch(_IDENT, alias):
-        raise InvalidInput(f"a database alias must be a plain identifier, got {alias!r}")
+        raise InvalidInput(f"a database alias must be a plain identifier, got {redact(repr(alias))}")
     with _lock:
         _aliases[alias] = url if isinstance(url, Engine) else resolve_url(url)
         _engines.pop(alias, None)
@@ -218,7 +221,7 @@ class TableSource:
         table, _, _ = self._table(ref, _reader_engine(ref.alias, engine))
         if names is None:
             return list(table.c)
-        missing = [n for n in names if n not in table.c]
+        missing = [redact(n) for n in names if n not in table.c]
         if missing:
             raise InvalidInput(f"column(s) {missing} are not in table {table.fullname!r}; "
                                f"it has {list(table.c.keys())}")
@@ -279,7 +282,7 @@ class TableSource:
         columns: Optional[Sequence[str]] = options.get("columns")
         page_rows = options.get("page_rows", PAGE_ROWS)
         if isinstance(page_rows, bool) or not isinstance(page_rows, int) or page_rows < 1:
-            raise InvalidInput(f"page_rows must be a positive int, got {page_rows!r}")
+            raise InvalidInput(f"page_rows must be a positive int, got {redact(repr(page_rows))}")
         ref = parse(work)
         eng = _reader_engine(ref.alias, engine)
         table, _, _ = self._table(ref, eng)
