@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wq_sql.plan import allocate, cut, slice_name
+from wq_sql.plan import allocate, cut, slice_name, unslice
 from wq_sql.sources import Slice
 from wq_sql.sources.lines import LinesSource
 
@@ -79,7 +79,22 @@ def test_allocate_examples() -> None:
 
 def test_slice_names_use_deeprecs_format() -> None:
     assert slice_name("table:t", 5, 9) == "table:t?start=5&end=9"
-    assert slice_name("table:t?key=a,b", 0, 1) == "table:t?key=a,b&start=0&end=1"
+    # always "?start=" appended to the work as given, even one that holds a "?" of its own
+    assert slice_name("table:t?key=a,b", 0, 1) == "table:t?key=a,b?start=0&end=1"
+    assert slice_name("lines:/d/what?.txt", 0, 55) == "lines:/d/what?.txt?start=0&end=55"
+
+
+@given(st.text(), st.integers(0, 2**62), st.integers(0, 2**62))
+def test_item_strings_round_trip_whatever_the_work_holds(work: str, start: int, end: int) -> None:
+    for w in (work, work + "?start=1&end=2", work + "&start=1&end=2", "lines:x?a=1&b=" + work):
+        item = slice_name(w, start, end)
+        assert item.endswith(f"?start={start}&end={end}")
+        assert unslice(item) == w
+
+
+def test_items_of_queues_made_before_the_rule_still_unslice() -> None:
+    assert unslice("table:t?key=id&start=0&end=10") == "table:t?key=id"
+    assert unslice("plain&start=0&end=10") == "plain&start=0&end=10"  # never an item: no "?"
 
 
 lines_st = st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=60)

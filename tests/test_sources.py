@@ -7,6 +7,8 @@ import collections
 import datetime as dt
 import json
 import logging
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,8 +22,8 @@ from sqlalchemy.sql.elements import quoted_name
 
 import wq_sql
 from wq_sql import InvalidInput, QueueNotFound, WorkQueue
-from wq_sql.plan import cut
-from wq_sql.sources import Slice, register_database, register_source
+from wq_sql.plan import cut, unslice
+from wq_sql.sources import Slice, read_slice, register_database, register_source
 
 
 def make_table(url: str, name: str, rows: list[tuple[Any, ...]], *, key: str = "id",
@@ -116,14 +118,6 @@ def test_composite_and_named_keys(db_url: str) -> None:
     assert sorted(nokey) == list(range(50))
 
 
-def test_a_non_unique_key_still_reads_every_row_once(db_url: str) -> None:
-    make_table(db_url, "grouped", [(i % 4, f"r{i}") for i in range(100)], key="none")  # 4 key values
-    with WorkQueue(["table:grouped?key=id"], num_slices=10, url=db_url) as wq:
-        assert wq.items_per_epoch <= 4  # cuts at equal keys merge
-        got = sorted(r for recs in drain(wq).values() for r in recs)
-    assert got == sorted((i % 4, f"r{i}") for i in range(100))
-
-
 CREATOR = """
 import sys
 from wq_sql import WorkQueue
@@ -174,6 +168,54 @@ def test_works_with_credentials_or_unknown_aliases_are_refused(db_url: str) -> N
         WorkQueue(["table://nowhere/clicks"], num_slices=2, url=db_url)
     with pytest.raises(QueueNotFound):
         WorkQueue.attach(url=db_url)
+
+
+PW = "Secr3tPw"
+
+
+@pytest.mark.parametrize("work, shown", [
+    (f"table://reader:{PW}@dwh/events", "work 'table://reader:***@dwh/events' carries connection details"),
+    (f"table://reader:{PW}@dwh/events?key=id", "'table://reader:***@dwh/events?key=id'"),
+    (f"table:postgresql://reader:{PW}@dwh/events",
+     "table name 'postgresql://reader:***@dwh/events' in 'table:postgresql://reader:***@dwh/events'"),
+    (f"table:events?postgresql://reader:{PW}@dwh/x", "['postgresql://reader:***@dwh/x']"),
+    (f"table:events?key=postgresql://reader:{PW}@dwh/x", "key columns 'postgresql://reader:***@dwh/x'"),
+    (f"lines:postgresql://reader:{PW}@dwh/absent.txt",
+     "cannot read 'postgresql://reader:***@dwh/absent.txt' of work 'lines:postgresql://reader:***@dwh/"),
+    ("table://reader:S3cr@t/Pw0rd@dwh/events", "'table://reader:***@dwh/events'"),  # "@", "/" unquoted
+])
+def test_refused_works_never_show_their_password(db_url: str, work: str, shown: str) -> None:
+    with pytest.raises(InvalidInput) as e:
+        WorkQueue([work], num_slices=2, url=db_url)
+    message = str(e.value)
+    assert shown in message                                      # the rest of the URL is still shown
+    assert PW not in message and "S3cr" not in message and "Pw0rd" not in message
+    assert wq_sql.list_queues(db_url) == []
+
+
+def test_file_messages_never_show_a_password_in_the_path(db_url: str, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    folder = f"{tmp_path}/postgresql://reader:{PW}@dwh"  # a path may hold a URL ("//" is "/")
+    os.makedirs(folder)
+    Path(folder, "empty.txt").write_bytes(b"")
+    grows = Path(folder, "grows.txt")
+    grows.write_bytes(b"a\nb\n")
+    works = [f"lines:{folder}/empty.txt", f"lines:{folder}/grows.txt"]
+    with caplog.at_level(logging.WARNING, logger="wq_sql"), \
+            WorkQueue(works, num_slices=2, url=db_url) as wq:
+        item = next(iter(wq))
+        grows.write_bytes(b"a\nb\nc\n")
+        with pytest.raises(wq_sql.WqSqlError, match="no longer match") as e:
+            list(wq.read(item))
+    assert "postgresql://reader:***@dwh/grows.txt" in str(e.value) and PW not in str(e.value)
+    assert "postgresql://reader:***@dwh/empty.txt' is empty" in caplog.text and PW not in caplog.text
+    with pytest.raises(InvalidInput, match="plain identifier") as e:  # the arguments swapped
+        register_database(f"postgresql://reader:{PW}@dwh/x", "warehouse")
+    assert "postgresql://reader:***@dwh/x" in str(e.value) and PW not in str(e.value)
+    with pytest.raises(InvalidInput, match="no source is registered") as e:
+        read_slice(json.dumps({"work": f"nosuch://reader:{PW}@dwh/x", "start": 0, "end": 1, "bounds": {}}),
+                   sa.create_engine("sqlite://"))
+    assert "'nosuch://reader:***@dwh/x'" in str(e.value) and PW not in str(e.value)
 
 
 def test_sliced_reads_quote_names_and_bind_key_values(db_url: str) -> None:
@@ -261,6 +303,23 @@ def test_unreadable_files_are_refused(db_url: str, tmp_path: Path) -> None:
     assert wq_sql.list_queues(db_url) == []
 
 
+def test_a_file_whose_name_holds_query_characters_round_trips(db_url: str, tmp_path: Path) -> None:
+    odd = tmp_path / "what?.txt&start=1&end=2=x"
+    lines = [b"line %d" % i for i in range(400)]
+    odd.write_bytes(b"\n".join(lines) + b"\n")
+    work = f"lines:{odd}"
+    with WorkQueue([work], num_slices=6, shuffle=False, url=db_url) as wq:
+        got = drain(wq)
+    ranges = []
+    for item in got:  # always "?start=..&end=.." appended to the work as given
+        m = re.fullmatch(re.escape(work) + r"\?start=([0-9]+)&end=([0-9]+)", item)
+        assert m, item
+        ranges.append((int(m[1]), int(m[2])))
+        assert unslice(item) == work
+    assert ranges == cut(odd.stat().st_size, 6)
+    assert [r for recs in got.values() for r in recs] == lines  # every line once, in order
+
+
 class Numbers:
     """A custom source: ``range:<n>`` holds the records 0 .. n-1."""
 
@@ -344,4 +403,4 @@ def test_the_operator_command_creates_sliced_queues(db_url: str) -> None:
                        env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr  # "?" in a table work is not a glob
     with WorkQueue(["table:events?key=id"], num_slices=3, name="sliced", url=db_url, shuffle=False) as wq:
-        assert [str(i) for i in wq] == [f"table:events?key=id&start={s}&end={e}" for s, e in cut(90, 3)]
+        assert [str(i) for i in wq] == [f"table:events?key=id?start={s}&end={e}" for s, e in cut(90, 3)]

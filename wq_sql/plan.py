@@ -208,19 +208,31 @@ class PlannedItem:
 
 
 def slice_name(work: str, start: int, end: int) -> str:
-    """The item string of one slice, in DeepRec's format: ``<work>?start=<s>&end=<e>``.
+    """The item string of one slice, in DeepRec's format: the work as given, then
+    ``?start=<s>&end=<e>``, whatever the work holds (a ``?`` of its own included), so that
+    :func:`unslice` finds it from the right.
 
+    >>> slice_name("table:t", 0, 10)
+    'table:t?start=0&end=10'
     >>> slice_name("table:t?key=id", 0, 10)
-    'table:t?key=id&start=0&end=10'
+    'table:t?key=id?start=0&end=10'
     """
-    return f"{work}{'&' if '?' in work else '?'}start={start}&end={end}"
+    return f"{work}?start={start}&end={end}"
 
+
+_SLICE = re.compile(r"\?start=[0-9]+&end=[0-9]+\Z")
+_OLD_SLICE = re.compile(r"&start=[0-9]+&end=[0-9]+\Z")
 
 
 def unslice(item: str) -> str:
-    """The work an item string was cut from (the inverse of :func:`slice_name`).
+    """The work an item string was cut from (the inverse of :func:`slice_name`): the item
+    without its last ``?start=<s>&end=<e>``.
 
-    >>> unslice("table:t?key=id&start=0&end=10")
-    'table:t?key=id'
+    >>> unslice("lines:/data/what?.txt&a=1?start=0&end=55")
+    'lines:/data/what?.txt&a=1'
     """
-    return re.sub(r"[?&]start=\d+&end=\d+$", "", item)
+    m = _SLICE.search(item)
+    if m:
+        return item[:m.start()]
+    # Queues created before this rule put "&start=" after a work that held a "?" already.
+    return _OLD_SLICE.sub("", item) if "?" in item else item

@@ -2,9 +2,9 @@
 
 A work whose string starts with a registered scheme (``table:``, ``lines:``, or one of yours) is
 counted once when the queue is created and cut into items ``<work>?start=<s>&end=<e>``
-(DeepRec's format); any other work is a plain path, handed out whole as DeepRec does. Each item
-row keeps its bounds (JSON in ``wq_works.bounds``), so a reader reads exactly its records even
-if the data changed since.
+(DeepRec's format, appended even to a work that holds a ``?``); any other work is a plain
+path, handed out whole as DeepRec does. Each item row keeps its bounds (JSON in
+``wq_works.bounds``), so a reader reads exactly its records even if the data changed since.
 
 A source is any object with these members (see :class:`Source`); register it with
 :func:`register_source`::
@@ -33,6 +33,7 @@ from wq_sql.errors import InvalidInput
 from wq_sql.plan import PlannedItem, allocate, slice_name
 from wq_sql.sources.base import Slice, Source
 from wq_sql.sources.lines import LinesSource
+from wq_sql.sources.redact import redact
 from wq_sql.sources.table import TableSource, register_database
 
 log = logging.getLogger("wq_sql")
@@ -90,11 +91,11 @@ def plan_items(works: Sequence[str], num_slices: Optional[int], engine: Engine,
         if src is None:
             out.append(PlannedItem(w))
         elif size == 0 or k == 0:
-            log.warning("work %r is empty: it yields no item", w)
+            log.warning("work %r is empty: it yields no item", redact(w))
         else:
             pieces = src.slices(w, engine, k)
             if not pieces:
-                log.warning("work %r became empty while it was sliced: it yields no item", w)
+                log.warning("work %r became empty while it was sliced: it yields no item", redact(w))
             for p in pieces:
                 bounds = {"work": w, "start": p.start, "end": p.end, "bounds": p.bounds}
                 out.append(PlannedItem(slice_name(w, p.start, p.end), json.dumps(bounds, sort_keys=True)))
@@ -109,7 +110,7 @@ def read_slice(bounds: str, engine: Engine, **options: Any) -> Iterator[Any]:
     b = json.loads(bounds)
     src = source_for(b["work"])
     if src is None:
-        raise InvalidInput(f"no source is registered for {b['work']!r} in this process: call "
+        raise InvalidInput(f"no source is registered for {redact(b['work'])!r} in this process: call "
                            "wq_sql.register_source(...) as the queue's creator did")
     return src.read(b["work"], Slice(b["start"], b["end"], b["bounds"]), engine, **options)
 

@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from wq_sql.errors import InvalidInput, WqSqlError
 from wq_sql.plan import cut
 from wq_sql.sources.base import Slice
+from wq_sql.sources.redact import redact
 
 PREFIX = "lines:"
 
@@ -33,7 +34,7 @@ class LinesSource:
 
     def check(self, work: str) -> None:
         if not _path(work):
-            raise InvalidInput(f"{work!r} names no file: write lines:<path>")
+            raise InvalidInput(f"{redact(work)!r} names no file: write lines:<path>")
 
     def size(self, work: str, engine: Engine) -> int:
         path = _path(work)
@@ -41,9 +42,10 @@ class LinesSource:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
         except OSError as e:
-            raise InvalidInput(f"cannot read {path!r} of work {work!r}: {e.strerror}") from None
+            raise InvalidInput(f"cannot read {redact(path)!r} of work {redact(work)!r}: "
+                               f"{e.strerror}") from None
         if not os.path.isfile(path):
-            raise InvalidInput(f"{path!r} of work {work!r} is not a regular file")
+            raise InvalidInput(f"{redact(path)!r} of work {redact(work)!r} is not a regular file")
         return st.st_size
 
     def slices(self, work: str, engine: Engine, k: int) -> list[Slice]:
@@ -57,8 +59,8 @@ class LinesSource:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != piece.bounds.get("size", size):
-                raise WqSqlError(f"{path!r} has {size} bytes, but {piece.bounds['size']} when the queue "
-                                 "was created: its slices no longer match it. Recreate the queue.")
+                raise WqSqlError(f"{redact(path)!r} has {size} bytes, but {piece.bounds['size']} when the "
+                                 "queue was created: its slices no longer match it. Recreate the queue.")
             start, end = piece.start, piece.end
             if start > 0:
                 f.seek(start - 1)
