@@ -169,6 +169,34 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return rc, out.out, out.err
 
 
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_cli_prints_the_same_line_with_a_pasteable_url(empty_db_url: str, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """User ``postgres`` with password ``postgres``: the URLs in the error lines are the given ones
+    with only the password masked, so the suggested command can be pasted."""
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "10")
+    given = make_url(empty_db_url).set(username="postgres", password="postgres")
+    refused = given.set(port=free_port())
+    t0 = time.monotonic()
+    rc, out, err = run_cli(capsys, "ls", "--url", refused.render_as_string(hide_password=False))
+    assert time.monotonic() - t0 < FAST
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    shown = f"postgresql+psycopg2://postgres:***@127.0.0.1:{refused.port}/{given.database}"
+    assert f"cannot connect to {shown}: " in err and "start the server" in err, err
+    assert "postgres:postgres" not in err and "***ql" not in err, err
+    with pytest.raises(DatabaseUnavailable) as info:
+        wq_sql.list_queues(refused)
+    # The same line as the API's error, but for where the URL was given.
+    assert str(info.value).replace("url= (or $WQ_SQL_URL)", "--url (or $WQ_SQL_URL)") in err
+
+    # A database without wq_sql's tables: the suggested command runs as printed, password aside.
+    rc, out, err = run_cli(capsys, "ls", "--url", given.render_as_string(hide_password=False))
+    suggested = f"upgrade --url 'postgresql+psycopg2://postgres:***@127.0.0.1:{given.port}/{given.database}'"
+    assert rc == 1 and suggested in err and "postgres:postgres" not in err, err
+    rc, out, err = run_cli(capsys, *suggested.replace("'", "").replace("***", "postgres").split())
+    assert rc == 0 and "upgraded" in out, (out, err)
+
+
 def test_cli_sqlite_open_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "a folder"
     folder.mkdir()
@@ -179,6 +207,29 @@ def test_cli_sqlite_open_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
             rc, out, err = run_cli(capsys, *command, "--url", sqlite_url(path))
             assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
             assert needle in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- what a password looks like
+
+
+def test_mask_secrets_hides_passwords_by_structure_only() -> None:
+    from wq_sql.engine import mask_secrets
+
+    hidden = {
+        "postgresql+psycopg2://postgres:postgres@127.0.0.1:5433/db":
+            "postgresql+psycopg2://postgres:***@127.0.0.1:5433/db",
+        "dsn: host=h user=postgres password=postgres dbname=db":
+            "dsn: host=h user=postgres password=*** dbname=db",
+        "invalid dsn: password='a b\\'c' host=h": "invalid dsn: password=*** host=h",
+        "u=x postgresql://u:p:a/s%40s@h/db end": "u=x postgresql://u:***@h/db end",
+        "unterminated password='never closed": "unterminated password=***",
+    }
+    for text, masked in hidden.items():
+        assert mask_secrets(text) == masked
+    # The password's text elsewhere is no password: user names, hosts, schemes stay as they are.
+    for text in ("role \"postgres\" does not exist", "postgresql://postgres@127.0.0.1:5433/postgres",
+                 "connection to server at \"127.0.0.1\", port 5433 failed: Connection refused"):
+        assert mask_secrets(text) == text
 
 
 # ---------------------------------------------------------------- a real server: password, outages

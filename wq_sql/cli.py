@@ -39,7 +39,6 @@ import glob
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -48,7 +47,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
-from urllib.parse import quote
 
 from alembic import command
 from alembic.util import CommandError
@@ -57,7 +55,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from wq_sql import admin, migrate, ops, report
-from wq_sql.engine import Backend, make_engine, opening, resolve_url, safe_url
+from wq_sql.engine import Backend, make_engine, mask_secrets, opening, resolve_url, safe_url
 from wq_sql.engine import first_line as _first_line
 from wq_sql.errors import QueueNotFound, SchemaOutdated, WqSqlError
 from wq_sql.sources import source_for
@@ -74,8 +72,6 @@ MAX_EPOCH_ROWS = 12
 # num_epochs is at most 2**62 (wq_sql.plan.check_num_epochs).
 MAX_EPOCHS = 2**62
 MAX_ETA_SECONDS = 100 * 365 * 86400
-# Error lines hide a password of at least this length wherever it appears (see _scrub).
-SCRUB_ANYWHERE = 6
 # Where the fix in an error line says the URL comes from.
 URL_GIVEN = "--url (or $WQ_SQL_URL)"
 
@@ -756,21 +752,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scrub(text: str, args: argparse.Namespace) -> str:
-    """Belt and braces: no error text may carry the password of ``--url``."""
-    try:
-        password = resolve_url(args.url).password
-    except WqSqlError:
-        password = None
-    if password:
-        pw = str(password)
-        rendered = URL.create("d", username="u", password=pw, host="h").render_as_string(hide_password=False)
-        for form in {pw, quote(pw, safe=""), rendered[len("d://u:"):rendered.rindex("@h")]}:
-            if len(form) >= SCRUB_ANYWHERE:
-                text = text.replace(form, "***")
-            else:  # a short one ("x") only where a URL or a DSN puts it, or "exist" becomes "e***ist"
-                text = re.sub(rf"(:|password=|password=')({re.escape(form)})(@|'|\s|$)", r"\1***\3", text)
-    return " ".join(text.split())  # one line
+def _scrub(text: str) -> str:
+    """One line, with any password a driver's message may echo masked (a ``password=`` DSN field,
+    a URL's userinfo); URLs wq_sql shows are already ``safe_url``, so they stay pasteable."""
+    return " ".join(mask_secrets(text).split())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -797,7 +782,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        print(f"{PROG}: error: {_scrub(_describe(e), args)}", file=sys.stderr)
+        print(f"{PROG}: error: {_scrub(_describe(e))}", file=sys.stderr)
         return 1
 
 
