@@ -2,6 +2,9 @@
 :class:`DatabaseUnavailable` at once (no retrying of a first connection), with one line that names
 the fix and never the password, the driver's error chained; the CLI prints the same line. A
 database this queue object had reached is still waited for, up to ``busy_timeout``.
+
+Also the URL and name mistakes a newcomer makes first: ``sqlite://jobs.db`` (a slash missing) and
+a queue name of only whitespace.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 import wq_sql
-from wq_sql import DatabaseUnavailable, WorkQueue, WqSqlError
+from wq_sql import DatabaseUnavailable, InvalidInput, WorkQueue, WqSqlError
 from wq_sql import cli as wq_cli
 from wq_sql.admin import create_queue
 
@@ -302,3 +305,40 @@ def test_an_outage_of_a_reached_database_is_ridden_out(cluster: PgCluster,
         wq.close()
         if other is not None:
             other.close()
+
+
+# ---------------------------------------------------------------- URL and name mistakes
+
+
+@pytest.mark.parametrize(("url", "suggested"), [
+    ("sqlite://jobs.db", "sqlite:///jobs.db"),
+    ("sqlite://data/jobs.db", "sqlite:///data/jobs.db"),
+])
+def test_sqlite_url_with_two_slashes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch, url: str, suggested: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    for call in OPENERS.values():
+        with pytest.raises(InvalidInput) as info:
+            call(url)
+        msg = str(info.value)
+        assert "slash is probably missing" in msg and suggested in msg and "sqlite:////" in msg, msg
+    rc, out, err = run_cli(capsys, "ls", "--url", url)
+    assert rc == 1 and suggested in err and "slash is probably missing" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", [" ", "   ", "\t\n", "\u00a0", "\u200b", " \u3000 "])
+def test_queue_name_of_only_whitespace_is_refused(db_url: str, capsys: pytest.CaptureFixture[str],
+                                                  name: str) -> None:
+    for call in (lambda: WorkQueue(["a"], name=name, url=db_url, worker="w"),
+                 lambda: WorkQueue.attach(name, url=db_url, worker="w"),
+                 lambda: create_queue(["a"], name=name, url=db_url)):
+        with pytest.raises(InvalidInput, match="name must contain a visible character"):
+            call()
+    rc, out, err = run_cli(capsys, "create", name, "--works", "a", "--url", db_url)
+    assert rc == 1 and "name must contain a visible character" in err, err
+    assert wq_sql.list_queues(db_url) == []
+    # Names with a visible character stay data, spaces included.
+    with WorkQueue(["a"], name=" q ", url=db_url, worker="w") as wq:
+        assert wq.take() == "a"
+    assert [q["name"] for q in wq_sql.list_queues(db_url)] == [" q "]

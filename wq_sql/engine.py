@@ -52,6 +52,13 @@ def resolve_url(url: Optional[str | URL]) -> URL:
     if parsed.drivername in ("postgresql", "postgres"):
         # SQLAlchemy 2.1 defaults to psycopg 3; wq_sql depends on psycopg2.
         parsed = parsed.set(drivername="postgresql+psycopg2")
+    if parsed.get_backend_name() == "sqlite" and parsed.host:
+        # sqlite://jobs.db: SQLAlchemy reads jobs.db as a host and opens an in-memory database.
+        path = "/".join(p for p in (parsed.host, parsed.database) if p)
+        raise InvalidInput(
+            f"{safe_url(parsed)!r} names {parsed.host!r} as a host, and SQLite has none: a slash is "
+            f"probably missing. Use sqlite:///{path} (relative to the working directory) or "
+            f"sqlite:////abs/path/{Path(path).name} (an absolute path: four slashes)")
     return parsed
 
 

@@ -894,6 +894,10 @@ def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidInput(f"name must be a non-empty str of at most 200 characters, got {name!r}")
     check_text("name", name)
+    if not any(ch.isprintable() and not ch.isspace() for ch in name):
+        # Spaces or invisible characters only: a blank row in `wq-sql ls`, and hard to type.
+        raise InvalidInput(f"name must contain a visible character (not only spaces or invisible "
+                           f"ones), got {name!r}")
     return name
 
 
