@@ -206,8 +206,14 @@ WORK = st.one_of(
     st.text(st.characters(exclude_categories=SURROGATES), min_size=1, max_size=6),  # NUL allowed
 ).filter(_plain)
 
-NAME = st.one_of(st.text(TEXT, min_size=1, max_size=20),
-                 st.sampled_from([t for t in TRICKY if t and "\x00" not in t]),
+
+def _visible(name: str) -> bool:
+    """A queue name needs a visible character (only spaces: refused, see test_open_errors)."""
+    return any(c.isprintable() and not c.isspace() for c in name)
+
+
+NAME = st.one_of(st.text(TEXT, min_size=1, max_size=20).filter(_visible),
+                 st.sampled_from([t for t in TRICKY if _visible(t) and "\x00" not in t]),
                  st.just("\U0001F600" * 200), st.just("n" * 200))
 PREFIX = st.one_of(st.none(), st.text(TEXT, max_size=8), st.sampled_from(TRICKY[:12]),
                    st.text(TEXT, max_size=8).map(lambda s: s.encode("utf-8")))
@@ -253,7 +259,7 @@ ARGS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
                                  st.text(TEXT, max_size=3).map(lambda s: s + "\x00"),
                                  st.sampled_from([b"\xff", b"\xed\xa0\x80"]))),
     "name": (NAME, st.one_of(st.just(""), st.text(TEXT, min_size=201, max_size=230), st.just("q\x00"),
-                             st.just(b"q"), st.none(), st.integers())),
+                             st.just(b"q"), st.none(), st.integers(), st.sampled_from([" ", "\t\u200b"]))),
     "worker": (st.text(TEXT, min_size=1, max_size=20).filter(str.strip),
                st.one_of(st.sampled_from(["", "   ", "w\x00", "w\ud800", "\udcff"]), st.just(b"w"),
                          st.text(TEXT, min_size=201, max_size=230).filter(lambda s: len(s.strip()) > 200),
@@ -278,6 +284,7 @@ def one_argument(draw: st.DrawFn) -> tuple[str, Any, bool]:
 @example(case=("num_epochs", 2**62, False))
 @example(case=("name", "'); DROP TABLE wq_items; --", False))
 @example(case=("name", 'q"\\;--', False))
+@example(case=("name", " \u200b\t", True))
 @example(case=("worker", "w\ud800", True))
 @example(case=("heartbeat_seconds", 31.0, True))
 def test_constructor_arguments(db_url: str, bystander: Bystander, case: tuple[str, Any, bool]) -> None:

@@ -25,7 +25,15 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 import wq_sql
-from wq_sql import InvalidInput, QueueExhausted, SchemaOutdated, UnsafeDatabase, WorkQueue, migrate
+from wq_sql import (
+    DatabaseUnavailable,
+    InvalidInput,
+    QueueExhausted,
+    SchemaOutdated,
+    UnsafeDatabase,
+    WorkQueue,
+    migrate,
+)
 from wq_sql import engine as wq_engine
 from wq_sql.engine import resolve_url
 from wq_sql.models import VIEWS, Base, create_view_sql
@@ -480,7 +488,7 @@ def test_in_memory_sqlite_is_refused(url: str) -> None:
 
 def test_missing_sqlite_folder_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such" / "folder"
-    with pytest.raises(InvalidInput, match="does not exist") as ei:
+    with pytest.raises(DatabaseUnavailable, match="does not exist; create it first") as ei:
         WorkQueue(WORKS, url=f"sqlite:///{missing}/q.db", worker="w")
     assert str(missing) in str(ei.value)
     assert not missing.exists()

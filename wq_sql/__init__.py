@@ -6,6 +6,7 @@
 from wq_sql.admin import compact_queue, drop_queue, list_queues, reset_queue, upgrade
 from wq_sql.errors import (
     DatabaseBusy,
+    DatabaseUnavailable,
     InvalidInput,
     LeaseLost,
     QueueConfigMismatch,
@@ -24,6 +25,7 @@ __all__ = [
     "WorkQueue", "WorkItem", "Progress", "register_source", "register_database",
     "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
-    "DatabaseBusy", "SchemaOutdated", "WorkerConflict", "LeaseLost", "UnsafeDatabase", "InvalidInput",
+    "DatabaseBusy", "DatabaseUnavailable", "SchemaOutdated", "WorkerConflict", "LeaseLost",
+    "UnsafeDatabase", "InvalidInput",
 ]
 __version__ = "0.1.0"

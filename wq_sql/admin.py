@@ -10,7 +10,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.engine import URL
 
 from wq_sql import migrate, ops
-from wq_sql.engine import Backend, make_engine, resolve_url
+from wq_sql.engine import Backend, make_engine, opening, resolve_url
 from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
 from wq_sql.plan import (
     QueueSpec,
@@ -46,12 +46,13 @@ def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str],
     name = _lookup_name(name)
     engine = _engine(url, schema)
     try:
-        migrate.ensure_schema(engine, schema)
-        with engine.begin() as conn:
-            row = ops.find_queue(conn, name)
-            if row is None and must_exist:
-                raise QueueNotFound(f"no queue named {name!r}")
-            yield conn, row
+        with opening(engine.url):
+            migrate.ensure_schema(engine, schema)
+            with engine.begin() as conn:
+                row = ops.find_queue(conn, name)
+                if row is None and must_exist:
+                    raise QueueNotFound(f"no queue named {name!r}")
+                yield conn, row
     finally:
         engine.dispose()
 
@@ -60,7 +61,8 @@ def upgrade(url: Optional[str | URL] = None, schema: Optional[str] = None) -> st
     """Create or upgrade the wq_sql schema; returns the revision it is now at."""
     engine = _engine(url, schema)
     try:
-        return migrate.upgrade(engine, schema)
+        with opening(engine.url):
+            return migrate.upgrade(engine, schema)
     finally:
         engine.dispose()
 
@@ -68,7 +70,7 @@ def upgrade(url: Optional[str | URL] = None, schema: Optional[str] = None) -> st
 def current(url: Optional[str | URL] = None, schema: Optional[str] = None) -> Optional[str]:
     engine = _engine(url, schema)
     try:
-        with engine.connect() as conn:
+        with opening(engine.url), engine.connect() as conn:
             return migrate.current_revision(conn, schema)
     finally:
         engine.dispose()
@@ -95,13 +97,15 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
     _check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
     engine = _engine(url, schema)
     try:
-        migrate.ensure_schema(engine, schema)
         b = Backend(engine.dialect.name)
-        with engine.connect() as conn:
-            exists = ops.find_queue(conn.execution_options(wq_read=True), name) is not None
-        # Counting sliced works reads their sources: outside the short transaction that inserts.
+        with opening(engine.url):
+            migrate.ensure_schema(engine, schema)
+            with engine.connect() as conn:
+                exists = ops.find_queue(conn.execution_options(wq_read=True), name) is not None
+        # Counting sliced works reads their sources: outside the short transaction that inserts
+        # (and outside opening(): a source may be in another database).
         items = None if exists else plan_items(spec.works, spec.num_slices, engine, spec.prefix)
-        with engine.begin() as conn:
+        with opening(engine.url), engine.begin() as conn:
             row = ops.find_queue(conn, name)
             created = False
             if row is None and items is not None:
@@ -146,8 +150,9 @@ def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -
     """Every queue with its configuration and progress (from the counters)."""
     engine = _engine(url, schema)
     try:
-        migrate.ensure_schema(engine, schema)
-        with engine.connect() as conn:
+        with opening(engine.url):
+            migrate.ensure_schema(engine, schema)
+        with opening(engine.url), engine.connect() as conn:
             out = []
             for row in conn.execute(select(ops.queues).order_by(ops.queues.c.name)):
                 done, failed = ops.progress(conn, row.id)

@@ -39,7 +39,6 @@ import glob
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -48,7 +47,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
-from urllib.parse import quote
 
 from alembic import command
 from alembic.util import CommandError
@@ -57,7 +55,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from wq_sql import admin, migrate, ops, report
-from wq_sql.engine import Backend, make_engine, resolve_url, safe_url
+from wq_sql.engine import Backend, make_engine, mask_secrets, opening, resolve_url, safe_url
+from wq_sql.engine import first_line as _first_line
 from wq_sql.errors import QueueNotFound, SchemaOutdated, WqSqlError
 from wq_sql.sources import source_for
 from wq_sql.states import CLAIMED, DONE, FAILED
@@ -73,8 +72,8 @@ MAX_EPOCH_ROWS = 12
 # num_epochs is at most 2**62 (wq_sql.plan.check_num_epochs).
 MAX_EPOCHS = 2**62
 MAX_ETA_SECONDS = 100 * 365 * 86400
-# Error lines hide a password of at least this length wherever it appears (see _scrub).
-SCRUB_ANYWHERE = 6
+# Where the fix in an error line says the URL comes from.
+URL_GIVEN = "--url (or $WQ_SQL_URL)"
 
 
 class CliError(Exception):
@@ -111,36 +110,13 @@ def _engine(args: argparse.Namespace, *, must_exist: bool) -> tuple[Engine, Opti
                            f"with: python -m wq_sql upgrade {_where(url, args.schema)}")
     engine = make_engine(url, schema=args.schema, pool_size=1)
     try:
-        with engine.connect().execution_options(wq_read=True) as conn:
+        with opening(url, given=URL_GIVEN), engine.connect().execution_options(wq_read=True) as conn:
             rev = migrate.current_revision(conn, args.schema)
             conn.rollback()
-    except DBAPIError as e:
+    except BaseException:
         engine.dispose()
-        raise CliError(_connect_error(url, e)) from e
+        raise
     return engine, rev
-
-
-def _connect_error(url: URL, e: DBAPIError) -> str:
-    detail = _first_line(e.orig)
-    low = detail.lower()
-    where = safe_url(url)
-    if url.get_backend_name() == "sqlite":
-        return (f"cannot open the SQLite database {where}: {detail}; check the path and its "
-                "permissions in --url (or $WQ_SQL_URL)")
-    if "password authentication failed" in low or "no password supplied" in low:
-        fix = "check the user and password in --url (or $WQ_SQL_URL, or ~/.pgpass)"
-    elif "database" in low and "does not exist" in low:
-        fix = f"create the database (createdb {url.database}) or fix the database name in --url"
-    elif "role" in low and "does not exist" in low:
-        fix = "fix the user name in --url"
-    else:
-        fix = "check the host and port in --url (or $WQ_SQL_URL) and that the server is running"
-    return f"cannot connect to {where}: {detail}; {fix}"
-
-
-def _first_line(obj: object) -> str:
-    lines = [ln.strip() for ln in str(obj).splitlines() if ln.strip()]
-    return lines[0] if lines else type(obj).__name__
 
 
 def _require_head(url: URL, schema: Optional[str], rev: Optional[str]) -> None:
@@ -776,21 +752,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scrub(text: str, args: argparse.Namespace) -> str:
-    """Belt and braces: no error text may carry the password of ``--url``."""
-    try:
-        password = resolve_url(args.url).password
-    except WqSqlError:
-        password = None
-    if password:
-        pw = str(password)
-        rendered = URL.create("d", username="u", password=pw, host="h").render_as_string(hide_password=False)
-        for form in {pw, quote(pw, safe=""), rendered[len("d://u:"):rendered.rindex("@h")]}:
-            if len(form) >= SCRUB_ANYWHERE:
-                text = text.replace(form, "***")
-            else:  # a short one ("x") only where a URL or a DSN puts it, or "exist" becomes "e***ist"
-                text = re.sub(rf"(:|password=|password=')({re.escape(form)})(@|'|\s|$)", r"\1***\3", text)
-    return " ".join(text.split())  # one line
+def _scrub(text: str) -> str:
+    """One line, with any password a driver's message may echo masked (a ``password=`` DSN field,
+    a URL's userinfo); URLs wq_sql shows are already ``safe_url``, so they stay pasteable."""
+    return " ".join(mask_secrets(text).split())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -817,7 +782,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        print(f"{PROG}: error: {_scrub(_describe(e), args)}", file=sys.stderr)
+        print(f"{PROG}: error: {_scrub(_describe(e))}", file=sys.stderr)
         return 1
 
 

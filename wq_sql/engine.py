@@ -1,4 +1,5 @@
-"""Engines: URL resolution, per-backend connection setup, and the few dialect differences.
+"""Engines: URL resolution, per-backend connection setup, the few dialect differences, and the
+one-line errors of a database that cannot be reached or opened (``open_error``).
 
 SQLite: WAL, ``busy_timeout`` and ``BEGIN IMMEDIATE`` for every write transaction, so a
 transaction takes the single write lock up front instead of failing halfway with
@@ -20,10 +21,10 @@ from typing import Any, Optional
 
 from sqlalchemy import Engine, create_engine, event, literal_column
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
-from wq_sql.errors import InvalidInput, UnsafeDatabase
+from wq_sql.errors import DatabaseUnavailable, InvalidInput, UnsafeDatabase
 
 DEFAULT_SQLITE_FILE = "wq_sql.db"
 NETWORK_FILESYSTEMS = {
@@ -32,6 +33,12 @@ NETWORK_FILESYSTEMS = {
 }
 MIN_SQLITE = (3, 35, 0)  # RETURNING
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+# Where a driver's message may carry a password: a libpq DSN field (psycopg2 quotes a value with
+# '...' and backslash escapes), and the userinfo of a URL (SQLAlchemy's own parser lets a password
+# hold anything but "@").
+_DSN_PASSWORD = re.compile(r"(\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|[^\s']+)", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][\w+.-]*://[^\s:/@]*:)[^\s@]*@")
+URL_GIVEN = "url= (or $WQ_SQL_URL)"  # where the API's fixes say the URL comes from
 
 
 def resolve_url(url: Optional[str | URL]) -> URL:
@@ -45,12 +52,101 @@ def resolve_url(url: Optional[str | URL]) -> URL:
     if parsed.drivername in ("postgresql", "postgres"):
         # SQLAlchemy 2.1 defaults to psycopg 3; wq_sql depends on psycopg2.
         parsed = parsed.set(drivername="postgresql+psycopg2")
+    if parsed.get_backend_name() == "sqlite" and parsed.host:
+        # sqlite://jobs.db: SQLAlchemy reads jobs.db as a host and opens an in-memory database.
+        path = "/".join(p for p in (parsed.host, parsed.database) if p)
+        raise InvalidInput(
+            f"{safe_url(parsed)!r} names {parsed.host!r} as a host, and SQLite has none: a slash is "
+            f"probably missing. Use sqlite:///{path} (relative to the working directory) or "
+            f"sqlite:////abs/path/{Path(path).name} (an absolute path: four slashes)")
     return parsed
 
 
 def safe_url(url: URL) -> str:
-    """The URL as it may appear in logs and errors: the password hidden."""
+    """The URL as it may appear in logs and errors: the password hidden, nothing else changed."""
     return url.render_as_string(hide_password=True)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` (say, a driver's error message) with the value of a ``password=`` DSN field and
+    the password of a ``scheme://user:password@`` URL replaced by ``***``; nothing else changes,
+    so URLs in it stay pasteable."""
+    return _URL_PASSWORD.sub(r"\1***@", _DSN_PASSWORD.sub(r"\1***", text))
+
+
+def first_line(obj: object) -> str:
+    """The first non-blank line of ``str(obj)``, stripped (its type name if there is none)."""
+    lines = [ln.strip() for ln in str(obj).splitlines() if ln.strip()]
+    return lines[0] if lines else type(obj).__name__
+
+
+def open_error(url: URL, e: DBAPIError, *, given: str = URL_GIVEN) -> Optional[DatabaseUnavailable]:
+    """``e`` as a :class:`DatabaseUnavailable` whose one-line message names the fix, if it says
+    that the database at ``url`` cannot be reached or opened (Postgres: any failure to connect;
+    SQLite: a file it cannot open, that is not a database, or that is read-only); otherwise
+    None. ``given`` says where the URL came from, for the fix. The caller chains ``e``."""
+    detail = mask_secrets(first_line(e.orig))
+    low = detail.lower()
+    if url.get_backend_name() == "sqlite":
+        path = Path(url.database or "").expanduser().resolve()
+        if "unable to open" in low:
+            if path.is_dir():
+                msg = (f"the SQLite path {str(path)!r} is a folder; name a file in it, e.g. "
+                       f"sqlite:///{path / DEFAULT_SQLITE_FILE}")
+            elif not path.parent.is_dir():
+                msg = _missing_folder(path)
+            else:
+                msg = (f"cannot open the SQLite database {str(path)!r} ({detail}); check the path in "
+                       f"{given} and the permissions of the file and its folder")
+        elif "not a database" in low:
+            msg = (f"{str(path)!r} is not a SQLite database ({detail}); check the path in {given}, or "
+                   "name a new file for wq_sql to create")
+        elif "readonly" in low or "read-only" in low:
+            msg = (f"the SQLite database {str(path)!r} is read-only ({detail}) and wq_sql writes to it; "
+                   f"make the file and its folder writable (SQLite keeps {path.name}-wal and "
+                   f"{path.name}-shm beside it)")
+        else:
+            return None
+        return DatabaseUnavailable(msg)
+    # psycopg2 gives a failure to connect (or a connection lost mid-statement) no SQLSTATE.
+    connecting = isinstance(e, OperationalError) and getattr(e.orig, "pgcode", None) is None
+    if not connecting and "invalid dsn" not in low:
+        return None
+    if "password authentication failed" in low or "no password supplied" in low:
+        fix = f"check the user and password in {given}, or ~/.pgpass"
+    elif "database" in low and "does not exist" in low:
+        fix = f"create the database (createdb {url.database}) or fix the database name in {given}"
+    elif "role" in low and "does not exist" in low:
+        fix = f"fix the user name in {given}"
+    elif "translate host name" in low:
+        fix = f"check the host name in {given}"
+    elif "pg_hba.conf" in low:
+        fix = ("the server does not let this user in from this host (pg_hba.conf): check the user "
+               f"and database in {given}, or ask the server's administrator")
+    elif "invalid dsn" in low:
+        fix = f"fix the options after ? in {given}"
+    elif "refused" in low:
+        fix = f"start the server, or check the host and port in {given}"
+    else:
+        fix = f"check the host and port in {given} and that the server is running"
+    return DatabaseUnavailable(f"cannot connect to {safe_url(url)}: {detail}; {fix}")
+
+
+@contextmanager
+def opening(url: URL, *, given: str = URL_GIVEN) -> Iterator[None]:
+    """Raise a driver error from the block that says the database at ``url`` cannot be reached
+    or opened as :class:`DatabaseUnavailable` (see :func:`open_error`); others pass unchanged."""
+    try:
+        yield
+    except DBAPIError as e:
+        unavailable = open_error(url, e, given=given)
+        if unavailable is None:
+            raise
+        raise unavailable from e
+
+
+def _missing_folder(path: Path) -> str:
+    return f"the folder of the SQLite file {str(path)!r} does not exist; create it first"
 
 
 def _mount_fstype(path: Path) -> Optional[str]:
@@ -82,7 +178,7 @@ def check_sqlite_path(url: URL) -> None:
                            "database: use sqlite:///path/to/queue.db")
     path = Path(db).expanduser().resolve()
     if not path.parent.is_dir():
-        raise InvalidInput(f"the folder of the SQLite file {str(path)!r} does not exist; create it first")
+        raise DatabaseUnavailable(_missing_folder(path))
     fstype = _mount_fstype(path.parent)
     if fstype in NETWORK_FILESYSTEMS and not os.environ.get("WQ_SQL_ALLOW_NETWORK_FS"):
         raise UnsafeDatabase(

@@ -38,6 +38,14 @@ class QueueNotFound(WqSqlError):
     """``WorkQueue.attach`` named a queue that does not exist."""
 
 
+class DatabaseUnavailable(WqSqlError):
+    """The database cannot be reached or opened: no server on that host and port, an unknown host,
+    no such database or user, a wrong password, or a SQLite path that is a folder, not a SQLite
+    file, read-only, or in a missing folder. Also raised when a database this queue object had
+    reached stays unreachable past ``busy_timeout``. The message names the fix; the driver's
+    error is its ``__cause__``."""
+
+
 class DatabaseBusy(WqSqlError):
     """SQLite stayed locked by other writers for longer than ``busy_timeout``."""
 

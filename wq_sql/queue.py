@@ -22,10 +22,11 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from wq_sql import ops
-from wq_sql.engine import Backend, driver_transaction, make_engine, resolve_url, safe_url
+from wq_sql.engine import Backend, driver_transaction, make_engine, open_error, resolve_url, safe_url
 from wq_sql.epochs import EpochMaker
 from wq_sql.errors import (
     DatabaseBusy,
+    DatabaseUnavailable,
     InvalidInput,
     LeaseLost,
     QueueConfigMismatch,
@@ -196,6 +197,7 @@ class WorkQueue:
         self._pace = Pace()                          # how often this worker takes items
         self._jit: Optional[JustInTime] = None       # claims the next item just in time
         self._no_expire_until = 0.0                  # after an outage: let others renew first
+        self._reached = False                        # a transaction succeeded: outages are waited for
         self._epochs = EpochMaker(self)              # makes the next epochs
         # Notified when the buffer gets items or something in this process may have made an
         # item claimable (``_news`` counts those): a waiting take() wakes at once (see _wait).
@@ -255,7 +257,9 @@ class WorkQueue:
         """Run ``fn``, retrying what is transient: SQLite locked past its busy handler (every
         few ms, up to ``busy_timeout``, then :class:`DatabaseBusy`); on Postgres a lost or
         refused connection (a restart, ``pg_terminate_backend``), a deadlock or a serialization
-        failure (up to ``busy_timeout`` too). Each retry reruns the whole transaction."""
+        failure (up to ``busy_timeout`` too). Each retry reruns the whole transaction. A database
+        this queue object never reached is not waited for: a refused port or an unknown host is
+        a wrong URL or a server not started, and raises :class:`DatabaseUnavailable` at once."""
         start = time.monotonic()
         deadline = start + self.busy_timeout
         delay = 0.01
@@ -263,6 +267,7 @@ class WorkQueue:
         while True:
             try:
                 result = fn()
+                self._reached = True
                 if outage:
                     log.warning("queue %r: the database is back after %.1fs; continuing", self.name,
                                 time.monotonic() - start)
@@ -272,16 +277,24 @@ class WorkQueue:
                     self._no_expire_until = time.monotonic() + 1.5 + 3 * self.heartbeat_seconds
                 return result
             except DBAPIError as e:
-                why = _transient(e, self._backend)
+                why = _transient(e, self._backend, self._reached)
                 if why is None:
-                    raise
+                    unavailable = open_error(self._url, e)
+                    if unavailable is None:
+                        raise
+                    raise unavailable from e
                 if time.monotonic() >= deadline:
                     if why == "locked":
                         raise DatabaseBusy(
                             f"the SQLite database {safe_url(self._url)} stayed locked for "
                             f"{self.busy_timeout:.0f}s; raise busy_timeout= or use fewer writers") from None
+                    if why in _LOST:
+                        unavailable = open_error(self._url, e)
+                        raise DatabaseUnavailable(
+                            f"the database stayed unreachable for {self.busy_timeout:.0f}s (busy_timeout=, "
+                            f"raise it to wait longer): {unavailable or safe_url(self._url)}") from e
                     raise
-                if why in ("disconnected", "cannot connect") and not outage:
+                if why in _LOST and not outage:
                     # Operators should see a restart or failover, not only DEBUG logs.
                     log.warning("queue %r: database connection lost (%s); retrying for up to %.0fs "
                                 "(busy_timeout)", self.name, why, self.busy_timeout)
@@ -901,21 +914,30 @@ def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
         del wq
 
 
-def _transient(e: DBAPIError, b: Backend) -> Optional[str]:
-    """Why ``e`` is worth retrying, or None."""
+_LOST = ("disconnected", "cannot connect")
+# A server that answers, but cannot take this connection yet: worth waiting for on a first connect.
+_SERVER_BUSY = ("the database system is starting up", "too many clients", "remaining connection slots")
+
+
+def _transient(e: DBAPIError, b: Backend, reached: bool) -> Optional[str]:
+    """Why ``e`` is worth retrying, or None. Before ``reached`` (no transaction of this queue
+    object succeeded yet), a lost or refused connection is not, unless the server said it is busy."""
     if b.is_sqlite:
         msg = str(e.orig)
         return "locked" if ("locked" in msg or "busy" in msg) else None
-    if e.connection_invalidated:
-        return "disconnected"
     code = getattr(e.orig, "pgcode", None)
-    if code is None and isinstance(e, OperationalError):
+    lost: Optional[str] = None
+    if e.connection_invalidated:
+        lost = "disconnected"
+    elif code is None and isinstance(e, OperationalError):
         msg = str(e.orig)
         if any(m in msg for m in ("authentication", "does not exist", "no password", "permission")):
             return None  # a configuration error: retrying cannot help
-        return "cannot connect"  # refused, reset, server starting up: psycopg2 gives no code
-    if code and (code.startswith("08") or code in ("57P01", "57P02", "57P03")):
-        return "disconnected"
+        lost = "cannot connect"  # refused, reset, server starting up: psycopg2 gives no code
+    elif code and (code.startswith("08") or code in ("57P01", "57P02", "57P03")):
+        lost = "disconnected"
+    if lost is not None:
+        return lost if reached or any(m in str(e.orig) for m in _SERVER_BUSY) else None
     if code in ("40P01", "40001"):
         return "deadlock or serialization failure"
     return None
@@ -943,6 +965,10 @@ def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > 200:
         raise InvalidInput(f"name must be a non-empty str of at most 200 characters, got {name!r}")
     check_text("name", name)
+    if not any(ch.isprintable() and not ch.isspace() for ch in name):
+        # Spaces or invisible characters only: a blank row in `wq-sql ls`, and hard to type.
+        raise InvalidInput(f"name must contain a visible character (not only spaces or invisible "
+                           f"ones), got {name!r}")
     return name
 
 
