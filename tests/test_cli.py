@@ -136,17 +136,106 @@ def test_upgrade_creates_schema_in_empty_database(empty_db_url: str, tmp_path: P
 
 
 def test_upgrade_sql_prints_ddl_offline(backend: str, tmp_path: Path) -> None:
-    # Nothing listens there: --sql must not connect.
+    # Nothing listens there (and the SQLite file does not exist): --sql must not connect or create.
     url = (f"sqlite:///{tmp_path / 'never.db'}" if backend == "sqlite"
            else f"postgresql://bob:{PASSWORD}@127.0.0.1:1/nodb")
-    out = ok(wq("upgrade", "--sql", "--url", url, cwd=tmp_path))
+    args = ["--from", "base"] if backend == "postgresql" else []
+    out = ok(wq("upgrade", "--sql", *args, "--url", url, cwd=tmp_path))
     assert "CREATE TABLE wq_items" in out and "CREATE TABLE wq_queues" in out
-    assert "CREATE VIEW" in out and "wq_audit" in out and "alembic_version" in out
+    assert "CREATE VIEW" in out and "wq_audit" in out and "CREATE TABLE alembic_version" in out
     assert PASSWORD not in out
     assert not (tmp_path / "never.db").exists()
     if backend == "postgresql":
-        out = ok(wq("upgrade", "--sql", "--schema", "team_a", "--url", url, cwd=tmp_path))
+        # Without --from the revision must be read; an unreachable database says how to go offline.
+        one_line_error(wq("upgrade", "--sql", "--url", url, cwd=tmp_path), "cannot connect", "--from REV")
+        out = ok(wq("upgrade", "--sql", "--from", "base", "--schema", "team_a", "--url", url, cwd=tmp_path))
         assert 'CREATE SCHEMA IF NOT EXISTS "team_a"' in out and "CREATE TABLE wq_items" in out
+    one_line_error(wq("upgrade", "--sql", "--from", "0000", "--url", url, cwd=tmp_path),
+                   "not a wq_sql schema revision", "0001")
+    one_line_error(wq("upgrade", "--from", "0001", "--url", url, cwd=tmp_path), "--sql")
+
+
+def at_revision(url: str, rev: str, schema: str | None = None) -> None:
+    """Build the wq_sql schema of an older revision, as an older wq_sql left it."""
+    from alembic import command
+
+    from wq_sql import migrate
+    from wq_sql.engine import make_engine
+
+    engine = make_engine(resolve_url(url), schema=schema)  # its search path puts the tables in schema
+    try:
+        with engine.begin() as c:
+            if schema:
+                c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+            command.upgrade(migrate.alembic_config(c, schema), rev)
+    finally:
+        engine.dispose()
+
+
+def apply_sql(url: str, script: str, tmp_path: Path) -> None:
+    """Run a printed DDL script as a DBA would: psql / the sqlite3 shell (or the sqlite3 module)."""
+    import shutil
+
+    u = resolve_url(url)
+    path = tmp_path / "upgrade.sql"
+    path.write_text(script, encoding="utf-8")
+    if u.get_backend_name() == "sqlite":
+        if shutil.which("sqlite3"):
+            p = subprocess.run(["sqlite3", "-bail", u.database], stdin=path.open(), capture_output=True,
+                               text=True, timeout=60)
+            assert p.returncode == 0 and "Error" not in p.stderr, p.stderr
+        else:
+            import sqlite3
+
+            with sqlite3.connect(u.database) as conn:
+                conn.executescript(script)
+        return
+    libpq = u.set(drivername="postgresql").render_as_string(hide_password=False)
+    assert shutil.which("psql"), "psql is needed to apply the printed DDL"
+    p = subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", libpq, "-f", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "ERROR" not in p.stderr, p.stderr
+
+
+def statements(script: str) -> list[str]:
+    return [ln for ln in script.splitlines() if ln.strip() and not ln.startswith("--")]
+
+
+@pytest.mark.parametrize("schema", [None, "team_a"])
+def test_upgrade_sql_from_an_older_revision_applies_cleanly(empty_db_url: str, backend: str, tmp_path: Path,
+                                                            schema: str | None) -> None:
+    from wq_sql import WorkQueue, migrate
+
+    if schema and backend == "sqlite":
+        pytest.skip("schemas are PostgreSQL's")
+    at_revision(empty_db_url, "0001", schema)
+    where = ["--url", empty_db_url] + (["--schema", schema] if schema else [])
+    assert "revision 0001;" in ok(wq("current", *where, cwd=tmp_path))
+    script = ok(wq("upgrade", "--sql", *where, cwd=tmp_path))
+    # Only the steps after 0001: nothing that exists already is created again.
+    assert "CREATE TABLE alembic_version" not in script and "CREATE TABLE wq_queues" not in script
+    assert "CREATE SCHEMA" not in script
+    assert "Running upgrade 0001 -> 0002" in script and f"-> {migrate.head_revision()}" in script
+    assert "revision 0001, read from" in script
+    # Offline, from --from, the same statements without connecting.
+    offline_url = (f"sqlite:///{tmp_path / 'elsewhere.db'}" if backend == "sqlite"
+                   else "postgresql://bob@127.0.0.1:1/nodb")
+    offline = ok(wq("upgrade", "--sql", "--from", "0001", "--url", offline_url,
+                    *(["--schema", schema] if schema else []), cwd=tmp_path))
+    assert statements(offline) == statements(script)
+    assert not (tmp_path / "elsewhere.db").exists()
+
+    apply_sql(empty_db_url, script, tmp_path)
+    assert f"revision {migrate.head_revision()} (head)" in ok(wq("current", *where, cwd=tmp_path))
+    at_head = ok(wq("upgrade", "--sql", *where, cwd=tmp_path))
+    assert statements(at_head) == [] and "nothing to upgrade" in at_head
+    with WorkQueue(["a", "b"], shuffle=False, name="q", url=empty_db_url, schema=schema, worker="w",
+                   auto_complete=False) as q:
+        first = q.take()
+        q.complete(first)
+        assert first == "a" and q.progress().done == 1
+        q.complete(q.take())
+        assert q.progress().done == 2
 
 
 def test_unknown_queue(db_url: str, tmp_path: Path) -> None:

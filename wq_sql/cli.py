@@ -2,7 +2,9 @@
 
 ::
 
-    wq-sql upgrade [--sql]      create or upgrade the schema (--sql: print the DDL for a DBA); alias migrate
+    wq-sql upgrade [--sql [--from REV]]
+                                create or upgrade the schema; alias migrate. --sql prints the DDL
+                                from the database's revision (or REV, offline) to head for a DBA
     wq-sql current              the schema revision of the database
     wq-sql create NAME (--works WORK|GLOB... | --works-from FILE) [--epochs N] [--shuffle/--no-shuffle]
                   [--seed S] [--prefix P] [--num-slices K] [--max-attempts M]
@@ -207,12 +209,10 @@ def _ago(now: dt.datetime, then: dt.datetime) -> str:
 def cmd_upgrade(args: argparse.Namespace) -> int:
     url = _url(args)
     if args.sql:
-        if args.schema and url.get_backend_name() == "postgresql":
-            # Offline DDL names its tables unqualified; the schema comes from the search path.
-            print(f'CREATE SCHEMA IF NOT EXISTS "{args.schema}";\nSET search_path TO "{args.schema}";\n')
-        cfg = migrate.alembic_config(url=url.render_as_string(hide_password=True), schema=args.schema)
-        command.upgrade(cfg, "head", sql=True)
-        return 0
+        return _upgrade_sql(args, url)
+    if args.from_rev is not None:
+        raise CliError("--from REV goes with --sql (it says which revision the printed DDL starts from); "
+                       "without --sql, upgrade reads the revision from the database")
     engine, before = _engine(args, must_exist=False)
     engine.dispose()
     after = admin.upgrade(url, args.schema)
@@ -222,6 +222,65 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     else:
         print(f"{where} upgraded from {before or 'an empty database'} to revision {after} (head)")
     return 0
+
+
+def _upgrade_sql(args: argparse.Namespace, url: URL) -> int:
+    """Print the DDL that takes the database from its revision to head: read from the database,
+    or from ``--from REV`` without connecting (``--from base``: a database without the schema)."""
+    head = migrate.head_revision()
+    if args.from_rev is not None:
+        start = None if args.from_rev == "base" else _known_revision(args.from_rev)
+        source = f"revision {args.from_rev} (from --from; the database was not read)"
+    else:
+        start = _revision_for_sql(args, url)
+        source = (f"revision {start}, read from {_label(url, args.schema)}" if start
+                  else f"no wq_sql schema yet in {_label(url, args.schema)}")
+    if start == head:
+        print(f"-- {source}: already at head ({head}), nothing to upgrade")
+        return 0
+    print(f"-- wq_sql schema upgrade from {source} to {head} (head)")
+    if args.schema and url.get_backend_name() == "postgresql":
+        # Offline DDL names its tables unqualified; the schema comes from the search path.
+        if start is None:
+            print(f'CREATE SCHEMA IF NOT EXISTS "{args.schema}";')
+        print(f'SET search_path TO "{args.schema}";\n')
+    cfg = migrate.alembic_config(url=url.render_as_string(hide_password=True), schema=args.schema)
+    # Alembic wraps Postgres's script in BEGIN/COMMIT but not SQLite's, whose DDL is transactional
+    # too: one transaction, so that a script failing halfway leaves the old revision intact.
+    sqlite = url.get_backend_name() == "sqlite"
+    if sqlite:
+        print("BEGIN;")
+    sys.stdout.flush()
+    command.upgrade(cfg, f"{start}:head" if start else "head", sql=True)
+    if sqlite:
+        print("COMMIT;")
+    return 0
+
+
+def _known_revision(rev: str) -> str:
+    known = migrate.revisions()
+    if rev not in known:
+        raise CliError(f"--from {rev!r} is not a wq_sql schema revision; this wq_sql knows "
+                       f"{', '.join(['base', *known])} (`wq-sql current` shows a database's)")
+    return rev
+
+
+def _revision_for_sql(args: argparse.Namespace, url: URL) -> Optional[str]:
+    """The database's revision, for ``upgrade --sql`` (a missing SQLite file is a new database,
+    and is not created)."""
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        if not Path(url.database).expanduser().exists():
+            return None
+    try:
+        engine, rev = _engine(args, must_exist=False)
+    except CliError as e:
+        raise CliError(f"{e}; or print the DDL without connecting: upgrade --sql --from REV (the "
+                       "database's revision, `base` for one without the wq_sql schema)") from e
+    engine.dispose()
+    if rev is not None and rev not in migrate.revisions():
+        raise SchemaOutdated(f"{_label(url, args.schema)} is at schema revision {rev!r}, which this wq_sql "
+                             f"does not know (its newest is {migrate.head_revision()!r}); upgrade wq_sql")
+    return rev
 
 
 def cmd_current(args: argparse.Namespace) -> int:
@@ -724,7 +783,10 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     up = add("upgrade", cmd_upgrade, "create or upgrade the wq_sql schema (alias: migrate)", ["migrate"])
-    up.add_argument("--sql", action="store_true", help="print the DDL instead of running it (offline)")
+    up.add_argument("--sql", action="store_true",
+                    help="print the DDL from the database's revision to head instead of running it")
+    up.add_argument("--from", dest="from_rev", metavar="REV",
+                    help="with --sql: start from revision REV without connecting (base: no schema yet)")
     add("current", cmd_current, "show the schema revision of the database")
     add("ls", cmd_ls, "list queues with their configuration and progress")
     cr = add("create", cmd_create, "create a queue ahead of the job (the rules and checks of WorkQueue(...))")
