@@ -386,6 +386,45 @@ def test_create_from_globs_and_literal_works(db_url: str, tmp_path: Path, capsys
     assert rc == 1 and "lists no works" in err
 
 
+def test_extend_raises_num_epochs_and_the_mismatch_hint_names_it(db_url: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from wq_sql import QueueExhausted, WorkQueue
+
+    rc, out, _ = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--max-attempts", "2",
+                         "--url", db_url)
+    assert rc == 0 and "max 2 attempts" in out
+    with WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="w") as wq_:
+        assert [str(i) for i in wq_] == ["a", "b"]
+    rc, _, err = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--epochs", "3",
+                         "--url", db_url)
+    assert rc == 1 and "num_epochs: stored 1, given 3" in err
+    assert "python -m wq_sql extend q --epochs 3" in err and len(err.splitlines()) == 1
+    rc, _, err = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--max-attempts", "5",
+                         "--url", db_url)
+    assert rc == 1 and "max_attempts: stored 2, given 5" in err
+
+    rc, out, _ = run_cli(capsys, "extend", "q", "--epochs", "3", "--url", db_url)
+    assert rc == 0 and "num_epochs 1 -> 3" in out
+    rc, out, _ = run_cli(capsys, "extend", "q", "--epochs", "3", "--url", db_url)
+    assert rc == 0 and "has 3 epoch(s) already; nothing to do" in out
+    rc, _, err = run_cli(capsys, "extend", "q", "--epochs", "2", "--url", db_url)
+    assert rc == 1 and "can only grow" in err and "at least 3" in err
+    rc, _, err = run_cli(capsys, "extend", "q", "--epochs", "0", "--url", db_url)
+    assert rc == 1 and "num_epochs must be a positive int" in err
+    rc, _, err = run_cli(capsys, "extend", "nope", "--epochs", "2", "--url", db_url)
+    assert rc == 1 and "no queue named 'nope'" in err
+    rc, out, _ = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--epochs", "3",
+                         "--url", db_url)
+    assert rc == 0 and "already exists with this configuration" in out
+    # A worker joins with the new num_epochs and gets the two new epochs, then the end.
+    with WorkQueue(["a", "b"], num_epochs=3, shuffle=False, name="q", url=db_url, worker="w") as wq_:
+        assert wq_.max_attempts == 2
+        assert [str(wq_.take()) for _ in range(4)] == ["a", "b", "a", "b"]
+        with pytest.raises(QueueExhausted) as ei:
+            wq_.take()
+        assert ei.value.done == 6
+
+
 def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from wq_sql import WorkQueue

@@ -9,6 +9,8 @@
     wq-sql create NAME (--works WORK|GLOB... | --works-from FILE) [--epochs N] [--shuffle/--no-shuffle]
                   [--seed S] [--prefix P] [--num-slices K] [--max-attempts M]
                                 create a queue ahead of the job (WorkQueue's rules and mismatch errors)
+    wq-sql extend NAME --epochs N
+                                raise a queue's num_epochs (never lowers it)
     wq-sql ls                   queues, their configuration and progress
     wq-sql status NAME [--watch [--interval S]]
                                 one queue: items per epoch and state, live workers, throughput, ETA
@@ -395,6 +397,19 @@ def _read_works(args: argparse.Namespace) -> list[str]:
         else:
             works.append(arg)
     return works
+
+
+def cmd_extend(args: argparse.Namespace) -> int:
+    url = _url(args)
+    with _checked_engine(args, url) as engine:
+        _snapshot(engine, lambda conn: _find_queue(conn, url, args.name))
+    before, after = admin.extend_queue(args.name, args.epochs, url, args.schema)
+    if before == after:
+        print(f"queue {args.name!r} has {after} epoch(s) already; nothing to do")
+    else:
+        print(f"queue {args.name!r}: num_epochs {before} -> {after}; workers now join with "
+              f"num_epochs={after}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -803,8 +818,12 @@ def _parser() -> argparse.ArgumentParser:
     cr.add_argument("--seed", type=int, help="shuffle seed (default: a random one, printed)")
     cr.add_argument("--prefix", help="prepended to each work when it is handed out")
     cr.add_argument("--num-slices", type=int, help="num_slices, as in DeepRec")
-    cr.add_argument("--max-attempts", type=int, default=3, help="failed deliveries before an item is "
-                    "failed (default 3)")
+    cr.add_argument("--max-attempts", type=int, help="failed deliveries before an item is failed "
+                    "(default 3; for an existing queue, only checked against its value)")
+    ex = add("extend", cmd_extend, "raise a queue's num_epochs (never lowers it); workers then join with "
+             "the new num_epochs")
+    ex.add_argument("name", metavar="NAME")
+    ex.add_argument("--epochs", type=int, required=True, metavar="N", help="the new num_epochs")
     st = add("status", cmd_status, "items per epoch and state, and the live workers of a queue")
     st.add_argument("name", metavar="NAME")
     st.add_argument("--watch", action="store_true", help="redraw with a progress bar until the queue is done")

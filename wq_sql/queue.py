@@ -43,6 +43,7 @@ from wq_sql.identity import (
     process_start,
 )
 from wq_sql.migrate import ensure_schema
+from wq_sql.mismatch import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 from wq_sql.pacer import JustInTime, Pace
 from wq_sql.plan import (
     QueueSpec,
@@ -136,7 +137,7 @@ class WorkQueue:
                  seed: Optional[int] = None, prefix: Optional[str] = None,
                  num_slices: Optional[int] = None, name: str = "work_queue", *,
                  url: Optional[str | URL] = None, worker: Optional[str] = None,
-                 lease_seconds: float = 60.0, lease_ahead: int = 1, max_attempts: int = 3,
+                 lease_seconds: float = 60.0, lease_ahead: int = 1, max_attempts: Optional[int] = None,
                  auto_complete: bool = True, max_item_seconds: Optional[float] = None,
                  heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
                  busy_timeout: float = 30.0, schema: Optional[str] = None,
@@ -151,7 +152,8 @@ class WorkQueue:
         _check_positive("busy_timeout", busy_timeout)
         _check_positive("poll_seconds", poll_seconds)
         _check_count("lease_ahead", lease_ahead)
-        _check_count("max_attempts", max_attempts)
+        if max_attempts is not None:
+            _check_count("max_attempts", max_attempts)
         if max_item_seconds is not None:
             _check_seconds("max_item_seconds", max_item_seconds)
         if heartbeat_seconds is not None:
@@ -291,7 +293,7 @@ class WorkQueue:
 
     # ------------------------------------------------------------------ opening and joining
 
-    def _open(self, spec: Optional[QueueSpec], max_attempts: int) -> Any:
+    def _open(self, spec: Optional[QueueSpec], max_attempts: Optional[int]) -> Any:
         row = self._tx(lambda c: ops.find_queue(c, self.name), read=True)
         if row is None and spec is None:
             raise QueueNotFound(f"no queue named {self.name!r} in {safe_url(self._url)}; create it "
@@ -302,18 +304,21 @@ class WorkQueue:
             seed = spec.seed if spec.seed is not None else new_seed()
 
             def create(c: Connection) -> tuple[Optional[int], Any]:
-                qid = ops.create_queue(c, self._backend, self.name, spec, items, seed, max_attempts)
+                qid = ops.create_queue(c, self._backend, self.name, spec, items, seed,
+                                       DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
                 return qid, ops.find_queue(c, self.name)
 
             qid, row = self._tx(create)
             if qid is not None:
                 log.info("created queue %r: %d items per epoch, %d epochs", self.name,
                          row.n_works, row.num_epochs)
-        if spec is not None:
-            diffs = _differences(row, spec)
-            if diffs:
-                raise QueueConfigMismatch(self.name, diffs)
-        done, failed = self._tx(lambda c: ops.progress(c, row.id), read=True)
+
+        def check(c: Connection) -> tuple[list[str], tuple[int, int]]:
+            return differences(c, row, spec, max_attempts), ops.progress(c, row.id)
+
+        diffs, (done, failed) = self._tx(check, read=True)
+        if diffs:
+            raise QueueConfigMismatch(self.name, diffs, extend_to(row, spec))
         if done + failed >= row.n_works * row.num_epochs:
             log.warning("queue %r is already finished (%d done, %d failed): take() will raise "
                         "QueueExhausted. Use another name, or reset it to start over.",
@@ -848,22 +853,6 @@ def _transient(e: DBAPIError, b: Backend) -> Optional[str]:
     if code in ("40P01", "40001"):
         return "deadlock or serialization failure"
     return None
-
-
-def _differences(row: Any, spec: QueueSpec) -> list[str]:
-    diffs = []
-    if row.works_digest != spec.works_digest:
-        diffs.append(f"works differ (stored digest {row.works_digest[:12]}..., given "
-                     f"{spec.works_digest[:12]}... for {len(spec.works)} works)")
-    if row.num_epochs != spec.num_epochs:
-        diffs.append(f"num_epochs: stored {row.num_epochs}, given {spec.num_epochs}")
-    if row.shuffle != spec.shuffle:
-        diffs.append(f"shuffle: stored {row.shuffle}, given {spec.shuffle}")
-    if row.num_slices != spec.num_slices:
-        diffs.append(f"num_slices: stored {row.num_slices}, given {spec.num_slices}")
-    if spec.seed is not None and row.seed != spec.seed:
-        diffs.append(f"seed: stored {row.seed}, given {spec.seed}")
-    return diffs
 
 
 def _check_name(name: object) -> str:
