@@ -425,6 +425,44 @@ def test_extend_raises_num_epochs_and_the_mismatch_hint_names_it(db_url: str,
         assert ei.value.done == 6
 
 
+def test_long_works_and_errors_are_cut_in_human_output_and_whole_in_json(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from worker_proc import query_commit
+
+    from wq_sql import WorkQueue
+
+    big_work, big_error, prefix = "w" * 1_000_000, "E" * 1_000_000 + "\nat line 2", "/d/" + "p" * 100_000
+    with WorkQueue([big_work, "ok"], shuffle=False, prefix=prefix, name="q", url=db_url, worker="w",
+                   max_attempts=1, auto_complete=False) as wq_:
+        wq_.release(wq_.take())  # delivered twice: a re-delivery
+        wq_.fail(wq_.take(), big_error)
+        wq_.complete(wq_.take())
+    # fail() keeps the first 10,000 characters of an error; other writers may store more.
+    query_commit(db_url, "UPDATE wq_items SET last_error = :e WHERE state = 'failed'", e=big_error)
+    rc, out, _ = run_cli(capsys, "audit", "q", "--url", db_url)
+    assert rc == 0 and len(out) < 5_000, len(out)
+    assert "w" * 77 + "..." in out and "E" * 77 + "..." in out and "at line 2" not in out
+    assert "values cut to 80 characters" in out and "python -m wq_sql audit q --format json" in out
+    rc, out, _ = run_cli(capsys, "audit", "q", "--format", "json", "--url", db_url)
+    a = json.loads(out)
+    assert a["failed"][0]["work"] == big_work and a["failed"][0]["last_error"] == big_error
+    assert a["redeliveries"][0]["work"] == big_work
+    rc, out, _ = run_cli(capsys, "audit", "q", "--format", "csv", "--url", db_url)
+    assert big_work in out and "E" * 1_000_000 in out
+    for command in ("status", "ls"):
+        rc, out, _ = run_cli(capsys, command, *(["q"] if command == "status" else []), "--url", db_url)
+        assert rc == 0 and len(out) < 3_000, (command, len(out))
+        assert "/d/ppp" in out and "p" * 200 not in out
+    assert "SELECT name, prefix FROM wq_queues" in out  # ls says where the full prefix is
+    # Short values are shown whole, with no note.
+    with WorkQueue(["short"], name="q2", url=db_url, worker="w", max_attempts=1) as wq_:
+        wq_.fail(wq_.take(), "boom")
+    rc, out, _ = run_cli(capsys, "audit", "q2", "--url", db_url)
+    assert "short" in out and "boom" in out and "values cut" not in out
+
+
 def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from wq_sql import WorkQueue

@@ -31,7 +31,8 @@ as given (``hdfs://...``, a table name). ``--works-from FILE`` reads one work pe
 Every command takes ``--url`` (default ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db``) and
 ``--schema``. An error prints one line that names the fix and exits 1 (``--debug``: the
 traceback); ``audit`` exits 2 when its exactly-once check fails. Passwords never appear in the
-output.
+output. Tables cut works, errors and prefixes to 80 characters (``audit --format json|csv`` keeps
+them whole).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -74,6 +76,9 @@ PG_CONNECT_TIMEOUT = "10"
 AUDIT_FAILED = 2
 # status collapses finished epochs into one line beyond this many epoch rows.
 MAX_EPOCH_ROWS = 12
+# Human tables show works, errors and prefixes cut to this many characters (ELLIPSIS marks a cut).
+CELL_CHARS = 80
+ELLIPSIS = "..."
 # num_epochs is at most 2**62 (wq_sql.plan.check_num_epochs).
 MAX_EPOCHS = 2**62
 MAX_ETA_SECONDS = 100 * 365 * 86400
@@ -174,6 +179,33 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequ
         parts = [c.rjust(w) if right[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         out.append("  ".join(parts).rstrip())
     return out
+
+
+class _Cut:
+    """Cuts works, errors and prefixes to one line of at most ``CELL_CHARS`` characters for human
+    output (a 1 MB work must not print 1 MB), and remembers whether it cut anything, so that the
+    output can say where the full values are."""
+
+    def __init__(self) -> None:
+        self.cut = False
+
+    def __call__(self, text: Optional[str], *, first_line: bool = False) -> Optional[str]:
+        if text is None:
+            return None
+        shown = text
+        if first_line:  # an error: its first line (a traceback's others are in the full value)
+            shown = _first_line(text)
+            self.cut = self.cut or shown != text.strip()
+        shown = shown.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+        if len(shown) > CELL_CHARS:
+            shown = shown[:CELL_CHARS - len(ELLIPSIS)] + ELLIPSIS
+            self.cut = True
+        return shown
+
+    def note(self, where: str) -> list[str]:
+        """The line that says where the full values are, if anything was cut."""
+        return [f"(values cut to {CELL_CHARS} characters end with {ELLIPSIS}; {where} shows them in full)"] \
+            if self.cut else []
 
 
 def _confirm(args: argparse.Namespace, what: str) -> None:
@@ -312,16 +344,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no queues in {_label(url, args.schema)}")
         return 0
     rows = []
+    cut = _Cut()
     for q in queues:
         finished = q["done"] + q["failed"]
         pct = 100.0 * finished / q["total"] if q["total"] else 100.0
         rows.append([q["name"], q["items_per_epoch"], f"{q['epochs_created']}/{q['num_epochs']}",
-                     "yes" if q["shuffle"] else "no", q["seed"], q["num_slices"], q["prefix"],
+                     "yes" if q["shuffle"] else "no", q["seed"], q["num_slices"], cut(q["prefix"]),
                      q["done"], q["failed"], q["total"], f"{pct:.1f}%"])
     headers = ["QUEUE", "ITEMS/EPOCH", "EPOCHS", "SHUFFLE", "SEED", "SLICES", "PREFIX",
                "DONE", "FAILED", "TOTAL", "PROGRESS"]
     right = [False, True, True, False, True, True, False, True, True, True, True]
-    print("\n".join(_table(headers, rows, right)))
+    print("\n".join(_table(headers, rows, right) + cut.note("SELECT name, prefix FROM wq_queues")))
     return 0
 
 
@@ -503,7 +536,7 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
     out = [f"queue {q.name!r} in {_label(url, schema)}",
            f"{n} items per epoch, {q.num_epochs} epoch(s), "
            + (f"shuffled (seed {q.seed})" if q.shuffle else "in order")
-           + (f", prefix {q.prefix!r}" if q.prefix else "")
+           + (f", prefix {_Cut()(repr(q.prefix))}" if q.prefix else "")
            + (f", {q.num_slices} slices" if q.num_slices else "")
            + f", max {q.max_attempts} attempts", ""]
 
@@ -588,12 +621,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _violation(v: dict[str, Any]) -> str:
-    what = f"epoch {v['epoch']} seq {v['seq']}" + (f" ({v['work']})" if v["work"] is not None else "")
+    what = f"epoch {v['epoch']} seq {v['seq']}" + (f" ({_Cut()(v['work'])})" if v["work"] is not None else "")
     state = f"is {v['state']}" if v["state"] else "has no item row"
     return f"{what} {state} with {v['done_events']} done event(s)"
 
 
 def _audit_table(a: report.Audit) -> list[str]:
+    cut = _Cut()
     out = [f"audit of queue {a.queue!r}: {a.items_per_epoch} items per epoch, "
            f"{a.epochs_created} of {a.num_epochs} epoch(s) created", "", "consumed per worker and epoch:"]
     if a.consumed:
@@ -605,13 +639,14 @@ def _audit_table(a: report.Audit) -> list[str]:
     out += ["", f"re-delivered items: {len(a.redeliveries)}"]
     if a.redeliveries:
         out += _table(["EPOCH", "SEQ", "WORK", "DELIVERIES", "HISTORY"],
-                      [[r["epoch"], r["seq"], r["work"], r["deliveries"], report.history_line(r["events"])]
-                       for r in a.redeliveries], [True, True, False, True, False])
+                      [[r["epoch"], r["seq"], cut(r["work"]), r["deliveries"],
+                        report.history_line(r["events"])] for r in a.redeliveries],
+                      [True, True, False, True, False])
     out += ["", f"failed items: {len(a.failed)}"]
     if a.failed:
         out += _table(["EPOCH", "SEQ", "WORK", "WORKER", "ATTEMPTS", "LAST ERROR"],
-                      [[f["epoch"], f["seq"], f["work"], f["worker"], f["attempts"],
-                        _first_line(f["last_error"] or "-")] for f in a.failed],
+                      [[f["epoch"], f["seq"], cut(f["work"]), f["worker"], f["attempts"],
+                        cut(f["last_error"], first_line=True)] for f in a.failed],
                       [True, True, False, False, True, False])
     out.append("")
     if a.ok:
@@ -622,12 +657,12 @@ def _audit_table(a: report.Audit) -> list[str]:
                    f"{len(a.counter_mismatches)} epoch(s) whose counters disagree with the rows")
         if a.violations:
             out += _table(["EPOCH", "SEQ", "WORK", "STATE", "DONE EVENTS"],
-                          [[v["epoch"], v["seq"], v["work"], v["state"], v["done_events"]]
+                          [[v["epoch"], v["seq"], cut(v["work"]), v["state"], v["done_events"]]
                            for v in a.violations], [True, True, False, False, True])
     if a.unchecked_epochs:
         out.append(f"(epochs {_ranges(a.unchecked_epochs)} were compacted: their done items are checked "
                    "only through the events kept)")
-    return out
+    return out + cut.note(f"python -m wq_sql audit {shlex.quote(a.queue)} --format json (or csv)")
 
 
 def _ranges(nums: Sequence[int]) -> str:
