@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,7 +92,7 @@ def test_upgrade_ls_status_reset_drop(db_url: str, tmp_path: Path) -> None:
         assert epochs["total"] == ["16", "1", "3", "0"]
         workers = table(out, "WORKER")
         assert list(workers) == ["alice"]
-        assert workers["alice"][-3:] == ["1", "3", "0"]  # holding done failed
+        assert workers["alice"][-4:] == ["1", "3", "0", "3"]  # holding done failed done/min
         assert "ago" in " ".join(workers["alice"])
     finally:
         if holder.stdin is not None:
@@ -461,6 +462,42 @@ def test_long_works_and_errors_are_cut_in_human_output_and_whole_in_json(
         wq_.fail(wq_.take(), "boom")
     rc, out, _ = run_cli(capsys, "audit", "q2", "--url", db_url)
     assert "short" in out and "boom" in out and "values cut" not in out
+
+
+def test_status_reports_one_item_done_and_each_workers_last_minute(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker_proc import query_commit
+
+    from wq_sql import WorkQueue
+
+    def status() -> tuple[str, dict[str, list[str]]]:
+        rc, out, _ = run_cli(capsys, "status", "q", "--url", db_url)
+        assert rc == 0
+        return out, table(out, "WORKER")  # ... HOLDING DONE FAILED DONE/MIN
+
+    works = [f"w{i}" for i in range(10)]
+    with WorkQueue(works, shuffle=False, name="q", url=db_url, worker="alice", auto_complete=False) as a, \
+         WorkQueue.attach("q", url=db_url, worker="bob", auto_complete=False) as b:
+        out, _ = status()
+        assert "throughput: no item done in the last minute  ETA -" in out
+        a.complete(a.take())
+        out, workers = status()
+        assert "throughput: 1 item done in the last minute (a rate needs two)  ETA -" in out
+        assert workers["alice"][-4:] == ["0", "1", "0", "1"] and workers["bob"][-4:] == ["0", "0", "0", "0"]
+        for _ in range(3):
+            b.complete(b.take())
+        a.complete(a.take())
+        held = b.take()
+        out, workers = status()
+        assert re.search(r"throughput: [0-9.]+ items/s \(5 done in the last minute\)  ETA \d", out), out
+        assert workers["alice"][-4:] == ["0", "2", "0", "2"] and workers["bob"][-4:] == ["1", "3", "0", "3"]
+        # Items done more than a minute ago count as done, not in the last minute.
+        query_commit(db_url, "UPDATE wq_events SET at = :t WHERE kind = 'done' AND worker_id = "
+                             "(SELECT id FROM wq_workers WHERE name = 'bob')", t="2000-01-01 00:00:00.000000")
+        out, workers = status()
+        assert "(2 done in the last minute)" in out
+        assert workers["bob"][-4:] == ["1", "3", "0", "0"] and workers["alice"][-1] == "2"
+        b.release(held)
 
 
 def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],

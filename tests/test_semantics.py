@@ -770,3 +770,46 @@ def test_quoted_names_and_sql_looking_works_are_data(db_url: str) -> None:
 def test_bad_queue_names(db_url: str, name: Any) -> None:
     with pytest.raises(InvalidInput, match="name"):
         WorkQueue(WORKS, name=name, url=db_url, worker="w")
+
+
+# ---------------------------------------------------------------- documentation
+
+
+def test_every_keyword_of_workqueue_is_documented_in_its_docstring() -> None:
+    import inspect
+    import re
+
+    doc = WorkQueue.__doc__ or ""
+    params = [p for p in inspect.signature(WorkQueue.__init__).parameters if p != "self"]
+    assert [p for p in params if not re.search(rf"``{p}(=[^`]+)?``", doc)] == []  # ``x`` or ``x=1``
+
+
+def test_the_readme_logging_recipe_shows_info_events(db_url: str) -> None:
+    """The README's snippet, run as written, shows a lease expiry (INFO) from the ``wq_sql`` logger."""
+    import re
+
+    from conftest import ROOT, run_py
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    recipe = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if 'getLogger("wq_sql")' in b)
+    code = recipe + """
+import sys
+import time
+import sqlalchemy as sa
+from wq_sql import WorkQueue
+from wq_sql.engine import resolve_url
+url = sys.argv[1]
+a = WorkQueue(["x"], name="q", url=url, worker="a", heartbeat_seconds=30)
+a.take()
+engine = sa.create_engine(resolve_url(url))
+with engine.begin() as c:
+    c.execute(sa.text("UPDATE wq_items SET lease_until = '2000-01-01 00:00:00.000000'"))
+engine.dispose()
+b = WorkQueue.attach("q", url=url, worker="b", heartbeat_seconds=0.2)
+time.sleep(1.5)  # a few heartbeats of b: each returns expired leases to the queue
+print("took", b.take(timeout=10))
+"""
+    p = run_py(code, db_url)
+    assert "took x" in p.stdout
+    assert re.search(r"wq_sql INFO created queue 'q'", p.stderr), p.stderr
+    assert re.search(r"wq_sql INFO queue 'q': 1 item\(s\) whose lease expired went back", p.stderr), p.stderr

@@ -465,7 +465,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 class StatusSummary:
     finished: int  # done + failed
     total: int
-    rate: Optional[float]  # items done per second, recently
+    recent: int  # items done in the last minute
+    rate: Optional[float]  # items done per second, recently (None: fewer than two recent)
 
     @property
     def complete(self) -> bool:
@@ -492,7 +493,7 @@ def _watch(frame: Callable[[], tuple[list[str], StatusSummary]], interval: float
 
 
 def _progress_bar(s: StatusSummary, cells: int) -> str:
-    """``[#########.........]  45.2%  120/266  12.3 items/s  ETA 0:00:12``"""
+    """``[#########.........]  45.2%  120/266  12.3 items/s (740 done in the last minute)  ETA 0:00:12``"""
     frac = s.finished / s.total if s.total else 1.0
     fill = int(frac * cells)  # full only when finished
     return ("[" + "#" * fill + "." * (cells - fill) + "]"
@@ -502,12 +503,15 @@ def _progress_bar(s: StatusSummary, cells: int) -> str:
 def _rate_eta(s: StatusSummary) -> str:
     if s.complete:
         return "done"
-    if not s.rate:
-        return "rate: - (no item done in the last minute)  ETA -"
+    if s.recent == 0:
+        return "no item done in the last minute  ETA -"
+    if s.rate is None:
+        return f"{s.recent} item done in the last minute (a rate needs two)  ETA -"
+    rate = f"{s.rate:.1f} items/s ({s.recent} done in the last minute)"
     seconds = (s.total - s.finished) / s.rate
     if seconds > MAX_ETA_SECONDS:  # num_epochs may be up to 2**62; a timedelta overflows long before
-        return f"{s.rate:.1f} items/s  ETA more than 100 years"
-    return f"{s.rate:.1f} items/s  ETA {dt.timedelta(seconds=round(seconds))}"
+        return f"{rate}  ETA more than 100 years"
+    return f"{rate}  ETA {dt.timedelta(seconds=round(seconds))}"
 
 
 def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
@@ -575,18 +579,20 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
     pct = 100.0 * (totals[2] + totals[3]) / total if total else 100.0
     state = "finished" if totals[2] + totals[3] >= total else "in progress"
     out.append(f"{state}: {totals[2] + totals[3]} of {total} items done or failed ({pct:.1f}%)")
-    summary = StatusSummary(totals[2] + totals[3], total, report.done_rate(conn, q.id, now))
+    recent = report.recent_done(conn, q.id, now)
+    summary = StatusSummary(totals[2] + totals[3], total, recent.done, recent.rate)
     if not summary.complete:
-        out.append(f"throughput (last minute): {_rate_eta(summary)}")
+        out.append(f"throughput: {_rate_eta(summary)}")
     out.append("")
 
     live = [r for r in workers if r.heartbeat_at is not None]
     left = len(workers) - len(live)
     if live:
-        out += _table(["WORKER", "HOST", "PID", "LAST HEARTBEAT", "HOLDING", "DONE", "FAILED"],
+        # DONE/MIN: items done in the last minute, this worker's own rate.
+        out += _table(["WORKER", "HOST", "PID", "LAST HEARTBEAT", "HOLDING", "DONE", "FAILED", "DONE/MIN"],
                       [[r.name, r.host, r.pid, _ago(now, r.heartbeat_at), holding.get(r.id, 0),
-                        *by_worker.get(r.id, (0, 0))] for r in live],
-                      [False, False, True, False, True, True, True])
+                        *by_worker.get(r.id, (0, 0)), recent.by_worker.get(r.id, 0)] for r in live],
+                      [False, False, True, False, True, True, True, True])
     else:
         out.append("no live workers")
     if left:

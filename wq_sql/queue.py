@@ -122,15 +122,47 @@ class WorkQueue:
             for path in wq:          # each item is done when the next is taken
                 train_on(path)
 
-    Arguments before ``*`` are DeepRec's. ``url`` defaults to ``$WQ_SQL_URL``, else
-    ``sqlite:///wq_sql.db``; ``worker`` to ``$WQ_SQL_WORKER``, else ``$TF_CONFIG``'s task, else
-    ``host:pid``. ``lease_seconds`` is how long an item stays claimed after its worker stops
-    heartbeating; ``lease_ahead`` how many items one round trip claims; ``max_attempts`` how many
-    failed deliveries (``fail()``, expired lease, crash) make an item ``failed``.
-    ``auto_complete=False`` makes ``take()`` stop marking earlier items done: call
-    ``complete(item)`` yourself. ``claim_ahead=True`` claims the next item in a background
-    thread shortly before this worker is expected to take it (by its own pace), so ``take()``
-    rarely waits for the database (see :mod:`wq_sql.pacer`).
+    Arguments before ``*`` are DeepRec's: ``works`` (a non-empty list of str or UTF-8 bytes, each
+    stripped; ``None`` only through :meth:`attach`), ``num_epochs``, ``shuffle``, ``seed``
+    (``None``: a random one when creating, the stored one when joining), ``prefix`` (prepended to
+    each work when it is handed out; may differ between workers), ``num_slices`` (cut sliceable
+    works, ``table:...`` and ``lines:...``, into this many items in all) and ``name`` (the queue;
+    many live side by side in one database). A worker joining with other works, ``num_epochs``,
+    ``shuffle``, ``num_slices``, an explicit other ``seed`` or ``max_attempts`` gets
+    :class:`QueueConfigMismatch`.
+
+    Keyword-only:
+
+    - ``url``: the database; default ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db``.
+    - ``worker``: this worker's identity; default ``$WQ_SQL_WORKER``, else ``$TF_CONFIG``'s
+      ``type:index``, else ``host:pid``. A restarted worker with the same identity takes back the
+      items its previous process held, at once.
+    - ``lease_seconds=60``: how long a claimed item stays claimed after its worker's last
+      heartbeat; then any worker may take it (an attempt counted).
+    - ``lease_ahead=1``: items claimed per round trip, kept in a local buffer until taken.
+    - ``max_attempts=None``: failed deliveries (``fail()``, an expired lease, a crash) after
+      which an item is ``failed``; ``None`` means the stored value when joining, 3 when creating.
+    - ``auto_complete=True``: ``take()`` marks the previous item done; ``False``: items are done
+      only when you ``complete(item)`` them.
+    - ``max_item_seconds=None``: stop renewing an item's lease this long after it was claimed, so
+      that a worker hung on one item loses it (``None``: renew while the process lives).
+    - ``heartbeat_seconds=None``: how often a background thread renews this worker's leases;
+      default ``min(lease_seconds / 6, 5)``, at most half of ``lease_seconds``. Another process
+      may take this worker identity over once its heartbeat is ``3 * heartbeat_seconds`` old.
+    - ``poll_seconds=1``: the longest pause between two looks at the queue while ``take()`` waits
+      for the last items, which other workers hold.
+    - ``busy_timeout=30``: seconds a transaction is retried while SQLite stays locked by other
+      writers (then :class:`DatabaseBusy`) or while a database connection is lost (then the
+      driver's error).
+    - ``schema``: the PostgreSQL schema that holds the tables (teams sharing one database).
+    - ``engine``: an SQLAlchemy engine of your own instead of one made from ``url`` (e.g.
+      ``make_engine(resolve_url(url), startup_options=False)`` behind PgBouncer).
+    - ``claim_ahead=False``: claim the next item in a background thread shortly before this
+      worker is expected to take it (by its own pace), so ``take()`` rarely waits for the
+      database (see :mod:`wq_sql.pacer`).
+
+    Events go to the ``wq_sql`` logger: WARNING for what needs attention (a lost database
+    connection, recovered items), INFO for routine ones (a queue created, expired leases).
     """
 
     def __init__(self, works: Optional[Sequence[Work]], num_epochs: int = 1, shuffle: bool = True,
