@@ -500,6 +500,34 @@ def test_status_reports_one_item_done_and_each_workers_last_minute(
         b.release(held)
 
 
+def test_create_notes_relative_paths(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker_proc import query_commit
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "data" / name).write_text("x\n")
+    query_commit(db_url, "CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+    query_commit(db_url, "INSERT INTO t (id, v) VALUES (1, 'a'), (2, 'b')")
+    rc, out, err = run_cli(capsys, "create", "rel", "--works", "data/*.txt", "hdfs://nn/x", "table:t",
+                           "lines:data/a.txt", str(tmp_path / "data" / "b.txt"), "--url", db_url)
+    assert rc == 0 and "created queue 'rel'" in out
+    lines = err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("note: 3 of 6 works are relative paths (e.g. 'data/a.txt')")
+    assert "relative to its own working directory" in err and str(tmp_path) in err
+    # Absolute paths, URLs, tables, or a prefix that makes them absolute: no note.
+    for name, works in (("abs", [str(tmp_path / "data" / "a.txt"), "s3://b/k", "table:t"]),
+                        ("pre", ["--prefix", "/mnt/data/", "--works", "a.txt"])):
+        args = works if name == "pre" else ["--works", *works]
+        rc, out, err = run_cli(capsys, "create", name, *args, "--url", db_url)
+        assert rc == 0 and "created queue" in out and err == ""
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "create", "--help")
+    assert "relative to its own working directory" in " ".join(capsys.readouterr().out.split())
+
+
 def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from wq_sql import WorkQueue

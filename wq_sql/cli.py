@@ -27,6 +27,8 @@
 ``--works`` takes works as arguments: one with ``* ? [`` is a glob of local files, expanded in
 sorted order (``sorted(glob.glob(p))`` in a worker gives the same list); anything else is one work
 as given (``hdfs://...``, a table name). ``--works-from FILE`` reads one work per line instead.
+Works are stored as given: a relative path is opened relative to each worker's own working
+directory, and ``create`` prints a note when there are any.
 
 Every command takes ``--url`` (default ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db``) and
 ``--schema``. An error prints one line that names the fix and exits 1 (``--debug``: the
@@ -396,7 +398,36 @@ def cmd_create(args: argparse.Namespace) -> int:
     else:
         print(f"queue {q.name!r} already exists with this configuration ({q.n_works} items per epoch, "
               f"{q.num_epochs} epoch(s), {how}); nothing to do")
+    relative = _relative_paths(works, args.prefix)
+    if relative:
+        example = _Cut()(repr(relative[0]))
+        print(f"note: {len(relative)} of {len(works)} works are relative paths (e.g. {example}), "
+              f"stored as given: each worker opens them relative to its own working directory, not "
+              f"necessarily {os.getcwd()}; give absolute paths or --prefix if workers run elsewhere",
+              file=sys.stderr)
     return 0
+
+
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _relative_paths(works: Sequence[str], prefix: Optional[str]) -> list[str]:
+    """The works a worker opens relative to its working directory: plain paths and ``lines:``
+    files that are not absolute (after ``prefix``), and not URLs (``hdfs://...``)."""
+    out = []
+    for w in works:
+        src = source_for(w)
+        if src is None:
+            path = (prefix or "") + w.strip()
+            if URL_SCHEME.match(path):
+                continue
+        elif src.scheme == "lines":
+            path = w.strip()[len("lines:"):]
+        else:
+            continue  # a table, or a source of its own: not a file path here
+        if not os.path.isabs(path):
+            out.append(w)
+    return out
 
 
 GLOB_CHARS = set("*?[")
@@ -850,7 +881,9 @@ def _parser() -> argparse.ArgumentParser:
     src = cr.add_mutually_exclusive_group(required=True)
     src.add_argument("--works", nargs="+", metavar="WORK",
                      help="works, in order; an argument with * ? [ is a glob of local files, expanded "
-                          "in sorted order (quote it); anything else is a work as given, e.g. hdfs://...")
+                          "in sorted order (quote it); anything else is a work as given, e.g. hdfs://...; "
+                          "relative paths are stored as given and each worker opens them relative to "
+                          "its own working directory")
     src.add_argument("--works-from", metavar="FILE",
                      help="a text file listing one work per line (- for stdin; # starts a comment)")
     cr.add_argument("--epochs", type=int, default=1, help="num_epochs (default 1)")
