@@ -206,8 +206,9 @@ class _Cut:
 
     def note(self, where: str) -> list[str]:
         """The line that says where the full values are, if anything was cut."""
-        return [f"(values cut to {CELL_CHARS} characters end with {ELLIPSIS}; {where} shows them in full)"] \
-            if self.cut else []
+        if not self.cut:
+            return []
+        return [f"(values cut to {CELL_CHARS} characters end with {ELLIPSIS}; {where} shows them in full)"]
 
 
 def _confirm(args: argparse.Namespace, what: str) -> None:
