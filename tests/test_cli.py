@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,7 +92,7 @@ def test_upgrade_ls_status_reset_drop(db_url: str, tmp_path: Path) -> None:
         assert epochs["total"] == ["16", "1", "3", "0"]
         workers = table(out, "WORKER")
         assert list(workers) == ["alice"]
-        assert workers["alice"][-3:] == ["1", "3", "0"]  # holding done failed
+        assert workers["alice"][-4:] == ["1", "3", "0", "3"]  # holding done failed done/min
         assert "ago" in " ".join(workers["alice"])
     finally:
         if holder.stdin is not None:
@@ -136,17 +137,106 @@ def test_upgrade_creates_schema_in_empty_database(empty_db_url: str, tmp_path: P
 
 
 def test_upgrade_sql_prints_ddl_offline(backend: str, tmp_path: Path) -> None:
-    # Nothing listens there: --sql must not connect.
+    # Nothing listens there (and the SQLite file does not exist): --sql must not connect or create.
     url = (f"sqlite:///{tmp_path / 'never.db'}" if backend == "sqlite"
            else f"postgresql://bob:{PASSWORD}@127.0.0.1:1/nodb")
-    out = ok(wq("upgrade", "--sql", "--url", url, cwd=tmp_path))
+    args = ["--from", "base"] if backend == "postgresql" else []
+    out = ok(wq("upgrade", "--sql", *args, "--url", url, cwd=tmp_path))
     assert "CREATE TABLE wq_items" in out and "CREATE TABLE wq_queues" in out
-    assert "CREATE VIEW" in out and "wq_audit" in out and "alembic_version" in out
+    assert "CREATE VIEW" in out and "wq_audit" in out and "CREATE TABLE alembic_version" in out
     assert PASSWORD not in out
     assert not (tmp_path / "never.db").exists()
     if backend == "postgresql":
-        out = ok(wq("upgrade", "--sql", "--schema", "team_a", "--url", url, cwd=tmp_path))
+        # Without --from the revision must be read; an unreachable database says how to go offline.
+        one_line_error(wq("upgrade", "--sql", "--url", url, cwd=tmp_path), "cannot connect", "--from REV")
+        out = ok(wq("upgrade", "--sql", "--from", "base", "--schema", "team_a", "--url", url, cwd=tmp_path))
         assert 'CREATE SCHEMA IF NOT EXISTS "team_a"' in out and "CREATE TABLE wq_items" in out
+    one_line_error(wq("upgrade", "--sql", "--from", "0000", "--url", url, cwd=tmp_path),
+                   "not a wq_sql schema revision", "0001")
+    one_line_error(wq("upgrade", "--from", "0001", "--url", url, cwd=tmp_path), "--sql")
+
+
+def at_revision(url: str, rev: str, schema: str | None = None) -> None:
+    """Build the wq_sql schema of an older revision, as an older wq_sql left it."""
+    from alembic import command
+
+    from wq_sql import migrate
+    from wq_sql.engine import make_engine
+
+    engine = make_engine(resolve_url(url), schema=schema)  # its search path puts the tables in schema
+    try:
+        with engine.begin() as c:
+            if schema:
+                c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+            command.upgrade(migrate.alembic_config(c, schema), rev)
+    finally:
+        engine.dispose()
+
+
+def apply_sql(url: str, script: str, tmp_path: Path) -> None:
+    """Run a printed DDL script as a DBA would: psql / the sqlite3 shell (or the sqlite3 module)."""
+    import shutil
+
+    u = resolve_url(url)
+    path = tmp_path / "upgrade.sql"
+    path.write_text(script, encoding="utf-8")
+    if u.get_backend_name() == "sqlite":
+        if shutil.which("sqlite3"):
+            p = subprocess.run(["sqlite3", "-bail", u.database], stdin=path.open(), capture_output=True,
+                               text=True, timeout=60)
+            assert p.returncode == 0 and "Error" not in p.stderr, p.stderr
+        else:
+            import sqlite3
+
+            with sqlite3.connect(u.database) as conn:
+                conn.executescript(script)
+        return
+    libpq = u.set(drivername="postgresql").render_as_string(hide_password=False)
+    assert shutil.which("psql"), "psql is needed to apply the printed DDL"
+    p = subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", libpq, "-f", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "ERROR" not in p.stderr, p.stderr
+
+
+def statements(script: str) -> list[str]:
+    return [ln for ln in script.splitlines() if ln.strip() and not ln.startswith("--")]
+
+
+@pytest.mark.parametrize("schema", [None, "team_a"])
+def test_upgrade_sql_from_an_older_revision_applies_cleanly(empty_db_url: str, backend: str, tmp_path: Path,
+                                                            schema: str | None) -> None:
+    from wq_sql import WorkQueue, migrate
+
+    if schema and backend == "sqlite":
+        pytest.skip("schemas are PostgreSQL's")
+    at_revision(empty_db_url, "0001", schema)
+    where = ["--url", empty_db_url] + (["--schema", schema] if schema else [])
+    assert "revision 0001;" in ok(wq("current", *where, cwd=tmp_path))
+    script = ok(wq("upgrade", "--sql", *where, cwd=tmp_path))
+    # Only the steps after 0001: nothing that exists already is created again.
+    assert "CREATE TABLE alembic_version" not in script and "CREATE TABLE wq_queues" not in script
+    assert "CREATE SCHEMA" not in script
+    assert "Running upgrade 0001 -> 0002" in script and f"-> {migrate.head_revision()}" in script
+    assert "revision 0001, read from" in script
+    # Offline, from --from, the same statements without connecting.
+    offline_url = (f"sqlite:///{tmp_path / 'elsewhere.db'}" if backend == "sqlite"
+                   else "postgresql://bob@127.0.0.1:1/nodb")
+    offline = ok(wq("upgrade", "--sql", "--from", "0001", "--url", offline_url,
+                    *(["--schema", schema] if schema else []), cwd=tmp_path))
+    assert statements(offline) == statements(script)
+    assert not (tmp_path / "elsewhere.db").exists()
+
+    apply_sql(empty_db_url, script, tmp_path)
+    assert f"revision {migrate.head_revision()} (head)" in ok(wq("current", *where, cwd=tmp_path))
+    at_head = ok(wq("upgrade", "--sql", *where, cwd=tmp_path))
+    assert statements(at_head) == [] and "nothing to upgrade" in at_head
+    with WorkQueue(["a", "b"], shuffle=False, name="q", url=empty_db_url, schema=schema, worker="w",
+                   auto_complete=False) as q:
+        first = q.take()
+        q.complete(first)
+        assert first == "a" and q.progress().done == 1
+        q.complete(q.take())
+        assert q.progress().done == 2
 
 
 def test_unknown_queue(db_url: str, tmp_path: Path) -> None:
@@ -295,6 +385,147 @@ def test_create_from_globs_and_literal_works(db_url: str, tmp_path: Path, capsys
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
     rc, _, err = run_cli(capsys, "create", "q2", "--works-from", "empty.txt", "--url", db_url)
     assert rc == 1 and "lists no works" in err
+
+
+def test_extend_raises_num_epochs_and_the_mismatch_hint_names_it(db_url: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from wq_sql import QueueExhausted, WorkQueue
+
+    rc, out, _ = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--max-attempts", "2",
+                         "--url", db_url)
+    assert rc == 0 and "max 2 attempts" in out
+    with WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="w") as wq_:
+        assert [str(i) for i in wq_] == ["a", "b"]
+    rc, _, err = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--epochs", "3",
+                         "--url", db_url)
+    assert rc == 1 and "num_epochs: stored 1, given 3" in err
+    assert "python -m wq_sql extend q --epochs 3" in err and len(err.splitlines()) == 1
+    rc, _, err = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--max-attempts", "5",
+                         "--url", db_url)
+    assert rc == 1 and "max_attempts: stored 2, given 5" in err
+
+    rc, out, _ = run_cli(capsys, "extend", "q", "--epochs", "3", "--url", db_url)
+    assert rc == 0 and "num_epochs 1 -> 3" in out
+    rc, out, _ = run_cli(capsys, "extend", "q", "--epochs", "3", "--url", db_url)
+    assert rc == 0 and "has 3 epoch(s) already; nothing to do" in out
+    rc, _, err = run_cli(capsys, "extend", "q", "--epochs", "2", "--url", db_url)
+    assert rc == 1 and "can only grow" in err and "at least 3" in err
+    rc, _, err = run_cli(capsys, "extend", "q", "--epochs", "0", "--url", db_url)
+    assert rc == 1 and "num_epochs must be a positive int" in err
+    rc, _, err = run_cli(capsys, "extend", "nope", "--epochs", "2", "--url", db_url)
+    assert rc == 1 and "no queue named 'nope'" in err
+    rc, out, _ = run_cli(capsys, "create", "q", "--works", "a", "b", "--no-shuffle", "--epochs", "3",
+                         "--url", db_url)
+    assert rc == 0 and "already exists with this configuration" in out
+    # A worker joins with the new num_epochs and gets the two new epochs, then the end.
+    with WorkQueue(["a", "b"], num_epochs=3, shuffle=False, name="q", url=db_url, worker="w") as wq_:
+        assert wq_.max_attempts == 2
+        assert [str(wq_.take()) for _ in range(4)] == ["a", "b", "a", "b"]
+        with pytest.raises(QueueExhausted) as ei:
+            wq_.take()
+        assert ei.value.done == 6
+
+
+def test_long_works_and_errors_are_cut_in_human_output_and_whole_in_json(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from worker_proc import query_commit
+
+    from wq_sql import WorkQueue
+
+    big_work, big_error, prefix = "w" * 1_000_000, "E" * 1_000_000 + "\nat line 2", "/d/" + "p" * 100_000
+    with WorkQueue([big_work, "ok"], shuffle=False, prefix=prefix, name="q", url=db_url, worker="w",
+                   max_attempts=1, auto_complete=False) as wq_:
+        wq_.release(wq_.take())  # delivered twice: a re-delivery
+        wq_.fail(wq_.take(), big_error)
+        wq_.complete(wq_.take())
+    # fail() keeps the first 10,000 characters of an error; other writers may store more.
+    query_commit(db_url, "UPDATE wq_items SET last_error = :e WHERE state = 'failed'", e=big_error)
+    rc, out, _ = run_cli(capsys, "audit", "q", "--url", db_url)
+    assert rc == 0 and len(out) < 5_000, len(out)
+    assert "w" * 77 + "..." in out and "E" * 77 + "..." in out and "at line 2" not in out
+    assert "values cut to 80 characters" in out and "python -m wq_sql audit q --format json" in out
+    rc, out, _ = run_cli(capsys, "audit", "q", "--format", "json", "--url", db_url)
+    a = json.loads(out)
+    assert a["failed"][0]["work"] == big_work and a["failed"][0]["last_error"] == big_error
+    assert a["redeliveries"][0]["work"] == big_work
+    rc, out, _ = run_cli(capsys, "audit", "q", "--format", "csv", "--url", db_url)
+    assert big_work in out and "E" * 1_000_000 in out
+    for command in ("status", "ls"):
+        rc, out, _ = run_cli(capsys, command, *(["q"] if command == "status" else []), "--url", db_url)
+        assert rc == 0 and len(out) < 3_000, (command, len(out))
+        assert "/d/ppp" in out and "p" * 200 not in out
+    assert "SELECT name, prefix FROM wq_queues" in out  # ls says where the full prefix is
+    # Short values are shown whole, with no note.
+    with WorkQueue(["short"], name="q2", url=db_url, worker="w", max_attempts=1) as wq_:
+        wq_.fail(wq_.take(), "boom")
+    rc, out, _ = run_cli(capsys, "audit", "q2", "--url", db_url)
+    assert "short" in out and "boom" in out and "values cut" not in out
+
+
+def test_status_reports_one_item_done_and_each_workers_last_minute(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker_proc import query_commit
+
+    from wq_sql import WorkQueue
+
+    def status() -> tuple[str, dict[str, list[str]]]:
+        rc, out, _ = run_cli(capsys, "status", "q", "--url", db_url)
+        assert rc == 0
+        return out, table(out, "WORKER")  # ... HOLDING DONE FAILED DONE/MIN
+
+    works = [f"w{i}" for i in range(10)]
+    with WorkQueue(works, shuffle=False, name="q", url=db_url, worker="alice", auto_complete=False) as a, \
+         WorkQueue.attach("q", url=db_url, worker="bob", auto_complete=False) as b:
+        out, _ = status()
+        assert "throughput: no item done in the last minute  ETA -" in out
+        a.complete(a.take())
+        out, workers = status()
+        assert "throughput: 1 item done in the last minute (a rate needs two)  ETA -" in out
+        assert workers["alice"][-4:] == ["0", "1", "0", "1"] and workers["bob"][-4:] == ["0", "0", "0", "0"]
+        for _ in range(3):
+            b.complete(b.take())
+        a.complete(a.take())
+        held = b.take()
+        out, workers = status()
+        assert re.search(r"throughput: [0-9.]+ items/s \(5 done in the last minute\)  ETA \d", out), out
+        assert workers["alice"][-4:] == ["0", "2", "0", "2"] and workers["bob"][-4:] == ["1", "3", "0", "3"]
+        # Items done more than a minute ago count as done, not in the last minute.
+        query_commit(db_url, "UPDATE wq_events SET at = :t WHERE kind = 'done' AND worker_id = "
+                             "(SELECT id FROM wq_workers WHERE name = 'bob')", t="2000-01-01 00:00:00.000000")
+        out, workers = status()
+        assert "(2 done in the last minute)" in out
+        assert workers["bob"][-4:] == ["1", "3", "0", "0"] and workers["alice"][-1] == "2"
+        b.release(held)
+
+
+def test_create_notes_relative_paths(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker_proc import query_commit
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "data" / name).write_text("x\n")
+    query_commit(db_url, "CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+    query_commit(db_url, "INSERT INTO t (id, v) VALUES (1, 'a'), (2, 'b')")
+    rc, out, err = run_cli(capsys, "create", "rel", "--works", "data/*.txt", "hdfs://nn/x", "table:t",
+                           "lines:data/a.txt", str(tmp_path / "data" / "b.txt"), "--url", db_url)
+    assert rc == 0 and "created queue 'rel'" in out
+    lines = err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("note: 3 of 6 works are relative paths (e.g. 'data/a.txt')")
+    assert "relative to its own working directory" in err and str(tmp_path) in err
+    # Absolute paths, URLs, tables, or a prefix that makes them absolute: no note.
+    for name, works in (("abs", [str(tmp_path / "data" / "a.txt"), "s3://b/k", "table:t"]),
+                        ("pre", ["--prefix", "/mnt/data/", "--works", "a.txt"])):
+        args = works if name == "pre" else ["--works", *works]
+        rc, out, err = run_cli(capsys, "create", name, *args, "--url", db_url)
+        assert rc == 0 and "created queue" in out and err == ""
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "create", "--help")
+    assert "relative to its own working directory" in " ".join(capsys.readouterr().out.split())
 
 
 def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -66,8 +66,12 @@ def second_db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) 
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"works": ["to", "be", "or", "not", "to", "BE"]}, "works differ"),
-    ({"works": WORKS[:-1]}, "works differ"),
+    ({"works": ["to", "be", "or", "not", "to", "BE"]},
+     "works differ at works[5]: stored 'be', given 'BE' (6 works stored, 6 given)"),
+    ({"works": WORKS[:-1]}, "works differ: works[5] is stored as 'be', not given (6 works stored, 5 given)"),
+    ({"works": WORKS + ["x"]},
+     "works differ: works[6] is given as 'x', not stored (6 works stored, 7 given)"),
+    ({"max_attempts": 5}, "max_attempts: stored 3, given 5"),
     ({"num_epochs": 3}, "num_epochs: stored 2, given 3"),
     ({"shuffle": False}, "shuffle: stored True, given False"),
     ({"num_slices": 4}, "num_slices: stored None, given 4"),
@@ -89,6 +93,95 @@ def test_config_mismatch_says_what_differs_and_how_to_start_over(
     assert "name=" in msg and "reset" in msg
     stored = query(db_url, "SELECT num_epochs, seed, shuffle FROM wq_queues WHERE name = 'q'")[0]
     assert tuple(stored) == (2, 7, True)
+
+
+def test_works_mismatch_reads_stored_works_in_chunks_up_to_the_first_difference(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wq_sql import mismatch
+    from wq_sql.engine import make_engine
+
+    monkeypatch.setattr(mismatch, "WORKS_CHUNK", 7)
+    works = [f"w{i}" for i in range(30)]
+    engine = make_engine(resolve_url(db_url))
+    reads: list[str] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "wq_works.bounds" in statement and "ORDER BY wq_works.idx" in statement:
+            reads.append(statement)
+
+    def join(given: list[str]) -> tuple[str, int]:
+        reads.clear()
+        with pytest.raises(QueueConfigMismatch) as ei:
+            WorkQueue(given, shuffle=False, name="q", worker="b", engine=engine)
+        assert len(ei.value.differences) == 1
+        return ei.value.differences[0], len(reads)
+
+    try:
+        with WorkQueue(works, shuffle=False, name="q", worker="a", engine=engine):
+            reads.clear()
+            with WorkQueue(works, shuffle=False, name="q", worker="same", engine=engine):
+                assert reads == []  # equal digests: the works are not read
+            assert join(works[:3] + ["x"] + works[4:]) == (
+                "works differ at works[3]: stored 'w3', given 'x' (30 works stored, 30 given)", 1)
+            assert join(works[:20] + ["x"] + works[21:]) == (
+                "works differ at works[20]: stored 'w20', given 'x' (30 works stored, 30 given)", 3)
+            assert join(works + ["w30"]) == (
+                "works differ: works[30] is given as 'w30', not stored (30 works stored, 31 given)", 5)
+            assert join(works[:14]) == (
+                "works differ: works[14] is stored as 'w14', not given (30 works stored, 14 given)", 3)
+            # A long value is shown cut.
+            msg, _ = join(works[:2] + ["y" * 1_000_000] + works[3:])
+            assert "given 'yyyyy" in msg and "... (1000000 characters)" in msg and len(msg) < 300
+    finally:
+        engine.dispose()
+
+
+def test_works_mismatch_of_sliced_works_names_the_work_as_given(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.txt").write_text("".join(f"{name} line {i}\n" for i in range(50)))
+    works = ["lines:a.txt", "lines:b.txt", "lines:a.txt"]  # a repeated work is its own works[i]
+    with WorkQueue(works, num_slices=9, name="q", url=db_url, worker="a") as wq:
+        assert wq.items_per_epoch == 9
+        for given, needle in [
+            (["lines:a.txt", "lines:b.txt", "lines:c.txt"],
+             "works differ at works[2]: stored 'lines:a.txt', given 'lines:c.txt' "
+             "(9 items stored (num_slices=9), 3 works given)"),
+            (works[:2], "works differ: works[2] is stored as 'lines:a.txt', not given"),
+            (works + ["lines:c.txt"], "works differ: works[3] is given as 'lines:c.txt', not stored"),
+        ]:
+            with pytest.raises(QueueConfigMismatch) as ei:
+                WorkQueue(given, num_slices=9, name="q", url=db_url, worker="b")
+            assert ei.value.differences[0].startswith(needle), ei.value.differences
+
+
+def test_max_attempts_is_the_stored_one_unless_given_and_then_must_match(db_url: str) -> None:
+    with WorkQueue(WORKS, name="q", url=db_url, worker="a", max_attempts=2) as a:
+        assert a.max_attempts == 2
+        with WorkQueue(WORKS, name="q", url=db_url, worker="b") as b:
+            assert b.max_attempts == 2  # not given: the stored value
+        with WorkQueue(WORKS, name="q", url=db_url, worker="c", max_attempts=2) as c:
+            assert c.max_attempts == 2
+        with pytest.raises(QueueConfigMismatch, match=r"max_attempts: stored 2, given 3\."):
+            WorkQueue(WORKS, name="q", url=db_url, worker="d", max_attempts=3)
+        with pytest.raises(QueueConfigMismatch, match="max_attempts: stored 2, given 5"):
+            WorkQueue.attach("q", url=db_url, worker="e", max_attempts=5)
+    with WorkQueue(WORKS, name="default", url=db_url, worker="a") as d:
+        assert d.max_attempts == 3
+    assert [r[0] for r in query(db_url, "SELECT max_attempts FROM wq_queues ORDER BY name")] == [3, 2]
+
+
+def test_mismatch_on_num_epochs_names_the_extend_command(db_url: str) -> None:
+    with WorkQueue(WORKS, num_epochs=2, name="my q", url=db_url, worker="a"):
+        with pytest.raises(QueueConfigMismatch) as ei:
+            WorkQueue(WORKS, num_epochs=5, name="my q", url=db_url, worker="b")
+        assert "`python -m wq_sql extend 'my q' --epochs 5`" in str(ei.value)
+        assert "wq.extend_epochs(5)" in str(ei.value) and ei.value.extend_to == 5
+        with pytest.raises(QueueConfigMismatch) as ei:
+            WorkQueue(WORKS, num_epochs=1, name="my q", url=db_url, worker="b")
+        assert "extend" not in str(ei.value) and ei.value.extend_to is None
 
 
 def test_config_mismatch_lists_every_difference(db_url: str) -> None:
@@ -677,3 +770,46 @@ def test_quoted_names_and_sql_looking_works_are_data(db_url: str) -> None:
 def test_bad_queue_names(db_url: str, name: Any) -> None:
     with pytest.raises(InvalidInput, match="name"):
         WorkQueue(WORKS, name=name, url=db_url, worker="w")
+
+
+# ---------------------------------------------------------------- documentation
+
+
+def test_every_keyword_of_workqueue_is_documented_in_its_docstring() -> None:
+    import inspect
+    import re
+
+    doc = WorkQueue.__doc__ or ""
+    params = [p for p in inspect.signature(WorkQueue.__init__).parameters if p != "self"]
+    assert [p for p in params if not re.search(rf"``{p}(=[^`]+)?``", doc)] == []  # ``x`` or ``x=1``
+
+
+def test_the_readme_logging_recipe_shows_info_events(db_url: str) -> None:
+    """The README's snippet, run as written, shows a lease expiry (INFO) from the ``wq_sql`` logger."""
+    import re
+
+    from conftest import ROOT, run_py
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    recipe = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if 'getLogger("wq_sql")' in b)
+    code = recipe + """
+import sys
+import time
+import sqlalchemy as sa
+from wq_sql import WorkQueue
+from wq_sql.engine import resolve_url
+url = sys.argv[1]
+a = WorkQueue(["x"], name="q", url=url, worker="a", heartbeat_seconds=30)
+a.take()
+engine = sa.create_engine(resolve_url(url))
+with engine.begin() as c:
+    c.execute(sa.text("UPDATE wq_items SET lease_until = '2000-01-01 00:00:00.000000'"))
+engine.dispose()
+b = WorkQueue.attach("q", url=url, worker="b", heartbeat_seconds=0.2)
+time.sleep(1.5)  # a few heartbeats of b: each returns expired leases to the queue
+print("took", b.take(timeout=10))
+"""
+    p = run_py(code, db_url)
+    assert "took x" in p.stdout
+    assert re.search(r"wq_sql INFO created queue 'q'", p.stderr), p.stderr
+    assert re.search(r"wq_sql INFO queue 'q': 1 item\(s\) whose lease expired went back", p.stderr), p.stderr

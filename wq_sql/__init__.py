@@ -3,7 +3,7 @@
 ``import wq_sql`` never imports TensorFlow; the TF shim is ``wq_sql.tf``.
 """
 
-from wq_sql.admin import compact_queue, drop_queue, list_queues, reset_queue, upgrade
+from wq_sql.admin import compact_queue, drop_queue, extend_queue, list_queues, reset_queue, upgrade
 from wq_sql.errors import (
     DatabaseBusy,
     DatabaseUnavailable,
@@ -23,7 +23,7 @@ from wq_sql.sources import register_database, register_source
 
 __all__ = [
     "WorkQueue", "WorkItem", "Progress", "register_source", "register_database",
-    "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue",
+    "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue", "extend_queue",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
     "DatabaseBusy", "DatabaseUnavailable", "SchemaOutdated", "WorkerConflict", "LeaseLost",
     "UnsafeDatabase", "InvalidInput",

@@ -12,6 +12,7 @@ from sqlalchemy.engine import URL
 from wq_sql import migrate, ops
 from wq_sql.engine import Backend, make_engine, opening, resolve_url
 from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
+from wq_sql.mismatch import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 from wq_sql.plan import (
     QueueSpec,
     Work,
@@ -79,7 +80,7 @@ def current(url: Optional[str | URL] = None, schema: Optional[str] = None) -> Op
 def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = True,
                  seed: Optional[int] = None, prefix: Optional[str] = None,
                  num_slices: Optional[int] = None, name: str = "work_queue", *,
-                 url: Optional[str | URL] = None, max_attempts: int = 3,
+                 url: Optional[str | URL] = None, max_attempts: Optional[int] = None,
                  schema: Optional[str] = None) -> tuple[bool, Any]:
     """Create a queue ahead of the job, without joining it as a worker; the arguments and their
     validation are ``WorkQueue``'s. Returns ``(created, queue row)``: ``created`` is False when a
@@ -89,12 +90,13 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
     Example: ``create_queue(["a.txt", "b.txt"], num_epochs=2, seed=7, name="train",
     url="sqlite:///q.db")``.
     """
-    from wq_sql.queue import _check_count, _check_name, _check_prefix, _differences  # the facade's rules
+    from wq_sql.queue import _check_count, _check_name, _check_prefix  # the facade's rules
 
     name = _lookup_name(_check_name(name))
     spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
                      check_seed(seed), check_num_slices(num_slices), _check_prefix(prefix))
-    _check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
+    if max_attempts is not None:
+        _check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
     engine = _engine(url, schema)
     try:
         b = Backend(engine.dialect.name)
@@ -110,17 +112,31 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
             created = False
             if row is None and items is not None:
                 qid = ops.create_queue(conn, b, name, spec, items,
-                                       spec.seed if spec.seed is not None else new_seed(), max_attempts)
+                                       spec.seed if spec.seed is not None else new_seed(),
+                                       DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
                 created = qid is not None
                 row = ops.find_queue(conn, name)
             if row is None:
                 raise QueueNotFound(f"queue {name!r} was dropped while it was being created; try again")
-            diffs = _differences(row, spec)
+            diffs = differences(conn, row, spec, max_attempts)
             if diffs:
-                raise QueueConfigMismatch(name, diffs)
+                raise QueueConfigMismatch(name, diffs, extend_to(row, spec))
             return created, row
     finally:
         engine.dispose()
+
+
+def extend_queue(name: str, num_epochs: int, url: Optional[str | URL] = None,
+                 schema: Optional[str] = None) -> tuple[int, int]:
+    """Raise a queue's ``num_epochs`` to ``num_epochs``, never lower it (``InvalidInput``);
+    returns ``(before, after)``. Workers then join with the new ``num_epochs``; the new epochs are
+    made as the workers reach them. Example: ``extend_queue("train", 5, url="sqlite:///q.db")``."""
+    check_num_epochs(num_epochs)
+    with _queue_tx(name, url, schema) as (conn, row):
+        if num_epochs < row.num_epochs or not ops.extend_epochs(conn, row.id, num_epochs):
+            raise InvalidInput(f"queue {name!r} has {row.num_epochs} epochs and num_epochs can only grow; "
+                               f"give at least {row.num_epochs}")
+        return row.num_epochs, num_epochs
 
 
 def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> None:

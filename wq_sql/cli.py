@@ -2,11 +2,15 @@
 
 ::
 
-    wq-sql upgrade [--sql]      create or upgrade the schema (--sql: print the DDL for a DBA); alias migrate
+    wq-sql upgrade [--sql [--from REV]]
+                                create or upgrade the schema; alias migrate. --sql prints the DDL
+                                from the database's revision (or REV, offline) to head for a DBA
     wq-sql current              the schema revision of the database
     wq-sql create NAME (--works WORK|GLOB... | --works-from FILE) [--epochs N] [--shuffle/--no-shuffle]
                   [--seed S] [--prefix P] [--num-slices K] [--max-attempts M]
                                 create a queue ahead of the job (WorkQueue's rules and mismatch errors)
+    wq-sql extend NAME --epochs N
+                                raise a queue's num_epochs (never lowers it)
     wq-sql ls                   queues, their configuration and progress
     wq-sql status NAME [--watch [--interval S]]
                                 one queue: items per epoch and state, live workers, throughput, ETA
@@ -23,11 +27,14 @@
 ``--works`` takes works as arguments: one with ``* ? [`` is a glob of local files, expanded in
 sorted order (``sorted(glob.glob(p))`` in a worker gives the same list); anything else is one work
 as given (``hdfs://...``, a table name). ``--works-from FILE`` reads one work per line instead.
+Works are stored as given: a relative path is opened relative to each worker's own working
+directory, and ``create`` prints a note when there are any.
 
 Every command takes ``--url`` (default ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db``) and
 ``--schema``. An error prints one line that names the fix and exits 1 (``--debug``: the
 traceback); ``audit`` exits 2 when its exactly-once check fails. Passwords never appear in the
-output.
+output. Tables cut works, errors and prefixes to 80 characters (``audit --format json|csv`` keeps
+them whole).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ import glob
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import sys
 import time
@@ -57,7 +66,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from wq_sql import admin, migrate, ops, report
 from wq_sql.engine import Backend, make_engine, mask_secrets, opening, resolve_url, safe_url
 from wq_sql.engine import first_line as _first_line
-from wq_sql.errors import QueueNotFound, SchemaOutdated, WqSqlError
+from wq_sql.errors import DatabaseUnavailable, QueueNotFound, SchemaOutdated, WqSqlError
 from wq_sql.sources import source_for
 from wq_sql.states import CLAIMED, DONE, FAILED
 
@@ -69,6 +78,9 @@ PG_CONNECT_TIMEOUT = "10"
 AUDIT_FAILED = 2
 # status collapses finished epochs into one line beyond this many epoch rows.
 MAX_EPOCH_ROWS = 12
+# Human tables show works, errors and prefixes cut to this many characters (ELLIPSIS marks a cut).
+CELL_CHARS = 80
+ELLIPSIS = "..."
 # num_epochs is at most 2**62 (wq_sql.plan.check_num_epochs).
 MAX_EPOCHS = 2**62
 MAX_ETA_SECONDS = 100 * 365 * 86400
@@ -148,6 +160,34 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], right: Sequ
     return out
 
 
+class _Cut:
+    """Cuts works, errors and prefixes to one line of at most ``CELL_CHARS`` characters for human
+    output (a 1 MB work must not print 1 MB), and remembers whether it cut anything, so that the
+    output can say where the full values are."""
+
+    def __init__(self) -> None:
+        self.cut = False
+
+    def __call__(self, text: Optional[str], *, first_line: bool = False) -> Optional[str]:
+        if text is None:
+            return None
+        shown = text
+        if first_line:  # an error: its first line (a traceback's others are in the full value)
+            shown = _first_line(text)
+            self.cut = self.cut or shown != text.strip()
+        shown = shown.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+        if len(shown) > CELL_CHARS:
+            shown = shown[:CELL_CHARS - len(ELLIPSIS)] + ELLIPSIS
+            self.cut = True
+        return shown
+
+    def note(self, where: str) -> list[str]:
+        """The line that says where the full values are, if anything was cut."""
+        if not self.cut:
+            return []
+        return [f"(values cut to {CELL_CHARS} characters end with {ELLIPSIS}; {where} shows them in full)"]
+
+
 def _confirm(args: argparse.Namespace, what: str) -> None:
     if args.yes:
         return
@@ -183,12 +223,10 @@ def _ago(now: dt.datetime, then: dt.datetime) -> str:
 def cmd_upgrade(args: argparse.Namespace) -> int:
     url = _url(args)
     if args.sql:
-        if args.schema and url.get_backend_name() == "postgresql":
-            # Offline DDL names its tables unqualified; the schema comes from the search path.
-            print(f'CREATE SCHEMA IF NOT EXISTS "{args.schema}";\nSET search_path TO "{args.schema}";\n')
-        cfg = migrate.alembic_config(url=url.render_as_string(hide_password=True), schema=args.schema)
-        command.upgrade(cfg, "head", sql=True)
-        return 0
+        return _upgrade_sql(args, url)
+    if args.from_rev is not None:
+        raise CliError("--from REV goes with --sql (it says which revision the printed DDL starts from); "
+                       "without --sql, upgrade reads the revision from the database")
     engine, before = _engine(args, must_exist=False)
     engine.dispose()
     after = admin.upgrade(url, args.schema)
@@ -198,6 +236,65 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     else:
         print(f"{where} upgraded from {before or 'an empty database'} to revision {after} (head)")
     return 0
+
+
+def _upgrade_sql(args: argparse.Namespace, url: URL) -> int:
+    """Print the DDL that takes the database from its revision to head: read from the database,
+    or from ``--from REV`` without connecting (``--from base``: a database without the schema)."""
+    head = migrate.head_revision()
+    if args.from_rev is not None:
+        start = None if args.from_rev == "base" else _known_revision(args.from_rev)
+        source = f"revision {args.from_rev} (from --from; the database was not read)"
+    else:
+        start = _revision_for_sql(args, url)
+        source = (f"revision {start}, read from {_label(url, args.schema)}" if start
+                  else f"no wq_sql schema yet in {_label(url, args.schema)}")
+    if start == head:
+        print(f"-- {source}: already at head ({head}), nothing to upgrade")
+        return 0
+    print(f"-- wq_sql schema upgrade from {source} to {head} (head)")
+    if args.schema and url.get_backend_name() == "postgresql":
+        # Offline DDL names its tables unqualified; the schema comes from the search path.
+        if start is None:
+            print(f'CREATE SCHEMA IF NOT EXISTS "{args.schema}";')
+        print(f'SET search_path TO "{args.schema}";\n')
+    cfg = migrate.alembic_config(url=url.render_as_string(hide_password=True), schema=args.schema)
+    # Alembic wraps Postgres's script in BEGIN/COMMIT but not SQLite's, whose DDL is transactional
+    # too: one transaction, so that a script failing halfway leaves the old revision intact.
+    sqlite = url.get_backend_name() == "sqlite"
+    if sqlite:
+        print("BEGIN;")
+    sys.stdout.flush()
+    command.upgrade(cfg, f"{start}:head" if start else "head", sql=True)
+    if sqlite:
+        print("COMMIT;")
+    return 0
+
+
+def _known_revision(rev: str) -> str:
+    known = migrate.revisions()
+    if rev not in known:
+        raise CliError(f"--from {rev!r} is not a wq_sql schema revision; this wq_sql knows "
+                       f"{', '.join(['base', *known])} (`wq-sql current` shows a database's)")
+    return rev
+
+
+def _revision_for_sql(args: argparse.Namespace, url: URL) -> Optional[str]:
+    """The database's revision, for ``upgrade --sql`` (a missing SQLite file is a new database,
+    and is not created)."""
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        if not Path(url.database).expanduser().exists():
+            return None
+    try:
+        engine, rev = _engine(args, must_exist=False)
+    except (CliError, DatabaseUnavailable) as e:
+        raise CliError(f"{e}; or print the DDL without connecting: upgrade --sql --from REV (the "
+                       "database's revision, `base` for one without the wq_sql schema)") from e
+    engine.dispose()
+    if rev is not None and rev not in migrate.revisions():
+        raise SchemaOutdated(f"{_label(url, args.schema)} is at schema revision {rev!r}, which this wq_sql "
+                             f"does not know (its newest is {migrate.head_revision()!r}); upgrade wq_sql")
+    return rev
 
 
 def cmd_current(args: argparse.Namespace) -> int:
@@ -227,16 +324,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no queues in {_label(url, args.schema)}")
         return 0
     rows = []
+    cut = _Cut()
     for q in queues:
         finished = q["done"] + q["failed"]
         pct = 100.0 * finished / q["total"] if q["total"] else 100.0
         rows.append([q["name"], q["items_per_epoch"], f"{q['epochs_created']}/{q['num_epochs']}",
-                     "yes" if q["shuffle"] else "no", q["seed"], q["num_slices"], q["prefix"],
+                     "yes" if q["shuffle"] else "no", q["seed"], q["num_slices"], cut(q["prefix"]),
                      q["done"], q["failed"], q["total"], f"{pct:.1f}%"])
     headers = ["QUEUE", "ITEMS/EPOCH", "EPOCHS", "SHUFFLE", "SEED", "SLICES", "PREFIX",
                "DONE", "FAILED", "TOTAL", "PROGRESS"]
     right = [False, True, True, False, True, True, False, True, True, True, True]
-    print("\n".join(_table(headers, rows, right)))
+    print("\n".join(_table(headers, rows, right) + cut.note("SELECT name, prefix FROM wq_queues")))
     return 0
 
 
@@ -278,7 +376,36 @@ def cmd_create(args: argparse.Namespace) -> int:
     else:
         print(f"queue {q.name!r} already exists with this configuration ({q.n_works} items per epoch, "
               f"{q.num_epochs} epoch(s), {how}); nothing to do")
+    relative = _relative_paths(works, args.prefix)
+    if relative:
+        example = _Cut()(repr(relative[0]))
+        print(f"note: {len(relative)} of {len(works)} works are relative paths (e.g. {example}), "
+              f"stored as given: each worker opens them relative to its own working directory, not "
+              f"necessarily {os.getcwd()}; give absolute paths or --prefix if workers run elsewhere",
+              file=sys.stderr)
     return 0
+
+
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _relative_paths(works: Sequence[str], prefix: Optional[str]) -> list[str]:
+    """The works a worker opens relative to its working directory: plain paths and ``lines:``
+    files that are not absolute (after ``prefix``), and not URLs (``hdfs://...``)."""
+    out = []
+    for w in works:
+        src = source_for(w)
+        if src is None:
+            path = (prefix or "") + w.strip()
+            if URL_SCHEME.match(path):
+                continue
+        elif src.scheme == "lines":
+            path = w.strip()[len("lines:"):]
+        else:
+            continue  # a table, or a source of its own: not a file path here
+        if not os.path.isabs(path):
+            out.append(w)
+    return out
 
 
 GLOB_CHARS = set("*?[")
@@ -314,6 +441,19 @@ def _read_works(args: argparse.Namespace) -> list[str]:
     return works
 
 
+def cmd_extend(args: argparse.Namespace) -> int:
+    url = _url(args)
+    with _checked_engine(args, url) as engine:
+        _snapshot(engine, lambda conn: _find_queue(conn, url, args.name))
+    before, after = admin.extend_queue(args.name, args.epochs, url, args.schema)
+    if before == after:
+        print(f"queue {args.name!r} has {after} epoch(s) already; nothing to do")
+    else:
+        print(f"queue {args.name!r}: num_epochs {before} -> {after}; workers now join with "
+              f"num_epochs={after}")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if not math.isfinite(args.interval) or args.interval <= 0:
         raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
@@ -334,7 +474,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 class StatusSummary:
     finished: int  # done + failed
     total: int
-    rate: Optional[float]  # items done per second, recently
+    recent: int  # items done in the last minute
+    rate: Optional[float]  # items done per second, recently (None: fewer than two recent)
 
     @property
     def complete(self) -> bool:
@@ -361,7 +502,7 @@ def _watch(frame: Callable[[], tuple[list[str], StatusSummary]], interval: float
 
 
 def _progress_bar(s: StatusSummary, cells: int) -> str:
-    """``[#########.........]  45.2%  120/266  12.3 items/s  ETA 0:00:12``"""
+    """``[#########.........]  45.2%  120/266  12.3 items/s (740 done in the last minute)  ETA 0:00:12``"""
     frac = s.finished / s.total if s.total else 1.0
     fill = int(frac * cells)  # full only when finished
     return ("[" + "#" * fill + "." * (cells - fill) + "]"
@@ -371,12 +512,15 @@ def _progress_bar(s: StatusSummary, cells: int) -> str:
 def _rate_eta(s: StatusSummary) -> str:
     if s.complete:
         return "done"
-    if not s.rate:
-        return "rate: - (no item done in the last minute)  ETA -"
+    if s.recent == 0:
+        return "no item done in the last minute  ETA -"
+    if s.rate is None:
+        return f"{s.recent} item done in the last minute (a rate needs two)  ETA -"
+    rate = f"{s.rate:.1f} items/s ({s.recent} done in the last minute)"
     seconds = (s.total - s.finished) / s.rate
     if seconds > MAX_ETA_SECONDS:  # num_epochs may be up to 2**62; a timedelta overflows long before
-        return f"{s.rate:.1f} items/s  ETA more than 100 years"
-    return f"{s.rate:.1f} items/s  ETA {dt.timedelta(seconds=round(seconds))}"
+        return f"{rate}  ETA more than 100 years"
+    return f"{rate}  ETA {dt.timedelta(seconds=round(seconds))}"
 
 
 def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
@@ -405,7 +549,7 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
     out = [f"queue {q.name!r} in {_label(url, schema)}",
            f"{n} items per epoch, {q.num_epochs} epoch(s), "
            + (f"shuffled (seed {q.seed})" if q.shuffle else "in order")
-           + (f", prefix {q.prefix!r}" if q.prefix else "")
+           + (f", prefix {_Cut()(repr(q.prefix))}" if q.prefix else "")
            + (f", {q.num_slices} slices" if q.num_slices else "")
            + f", max {q.max_attempts} attempts", ""]
 
@@ -444,18 +588,20 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
     pct = 100.0 * (totals[2] + totals[3]) / total if total else 100.0
     state = "finished" if totals[2] + totals[3] >= total else "in progress"
     out.append(f"{state}: {totals[2] + totals[3]} of {total} items done or failed ({pct:.1f}%)")
-    summary = StatusSummary(totals[2] + totals[3], total, report.done_rate(conn, q.id, now))
+    recent = report.recent_done(conn, q.id, now)
+    summary = StatusSummary(totals[2] + totals[3], total, recent.done, recent.rate)
     if not summary.complete:
-        out.append(f"throughput (last minute): {_rate_eta(summary)}")
+        out.append(f"throughput: {_rate_eta(summary)}")
     out.append("")
 
     live = [r for r in workers if r.heartbeat_at is not None]
     left = len(workers) - len(live)
     if live:
-        out += _table(["WORKER", "HOST", "PID", "LAST HEARTBEAT", "HOLDING", "DONE", "FAILED"],
+        # DONE/MIN: items done in the last minute, this worker's own rate.
+        out += _table(["WORKER", "HOST", "PID", "LAST HEARTBEAT", "HOLDING", "DONE", "FAILED", "DONE/MIN"],
                       [[r.name, r.host, r.pid, _ago(now, r.heartbeat_at), holding.get(r.id, 0),
-                        *by_worker.get(r.id, (0, 0))] for r in live],
-                      [False, False, True, False, True, True, True])
+                        *by_worker.get(r.id, (0, 0)), recent.by_worker.get(r.id, 0)] for r in live],
+                      [False, False, True, False, True, True, True, True])
     else:
         out.append("no live workers")
     if left:
@@ -490,12 +636,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _violation(v: dict[str, Any]) -> str:
-    what = f"epoch {v['epoch']} seq {v['seq']}" + (f" ({v['work']})" if v["work"] is not None else "")
+    what = f"epoch {v['epoch']} seq {v['seq']}" + (f" ({_Cut()(v['work'])})" if v["work"] is not None else "")
     state = f"is {v['state']}" if v["state"] else "has no item row"
     return f"{what} {state} with {v['done_events']} done event(s)"
 
 
 def _audit_table(a: report.Audit) -> list[str]:
+    cut = _Cut()
     out = [f"audit of queue {a.queue!r}: {a.items_per_epoch} items per epoch, "
            f"{a.epochs_created} of {a.num_epochs} epoch(s) created", "", "consumed per worker and epoch:"]
     if a.consumed:
@@ -507,13 +654,14 @@ def _audit_table(a: report.Audit) -> list[str]:
     out += ["", f"re-delivered items: {len(a.redeliveries)}"]
     if a.redeliveries:
         out += _table(["EPOCH", "SEQ", "WORK", "DELIVERIES", "HISTORY"],
-                      [[r["epoch"], r["seq"], r["work"], r["deliveries"], report.history_line(r["events"])]
-                       for r in a.redeliveries], [True, True, False, True, False])
+                      [[r["epoch"], r["seq"], cut(r["work"]), r["deliveries"],
+                        report.history_line(r["events"])] for r in a.redeliveries],
+                      [True, True, False, True, False])
     out += ["", f"failed items: {len(a.failed)}"]
     if a.failed:
         out += _table(["EPOCH", "SEQ", "WORK", "WORKER", "ATTEMPTS", "LAST ERROR"],
-                      [[f["epoch"], f["seq"], f["work"], f["worker"], f["attempts"],
-                        _first_line(f["last_error"] or "-")] for f in a.failed],
+                      [[f["epoch"], f["seq"], cut(f["work"]), f["worker"], f["attempts"],
+                        cut(f["last_error"], first_line=True)] for f in a.failed],
                       [True, True, False, False, True, False])
     out.append("")
     if a.ok:
@@ -524,12 +672,12 @@ def _audit_table(a: report.Audit) -> list[str]:
                    f"{len(a.counter_mismatches)} epoch(s) whose counters disagree with the rows")
         if a.violations:
             out += _table(["EPOCH", "SEQ", "WORK", "STATE", "DONE EVENTS"],
-                          [[v["epoch"], v["seq"], v["work"], v["state"], v["done_events"]]
+                          [[v["epoch"], v["seq"], cut(v["work"]), v["state"], v["done_events"]]
                            for v in a.violations], [True, True, False, False, True])
     if a.unchecked_epochs:
         out.append(f"(epochs {_ranges(a.unchecked_epochs)} were compacted: their done items are checked "
                    "only through the events kept)")
-    return out
+    return out + cut.note(f"python -m wq_sql audit {shlex.quote(a.queue)} --format json (or csv)")
 
 
 def _ranges(nums: Sequence[int]) -> str:
@@ -700,7 +848,10 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     up = add("upgrade", cmd_upgrade, "create or upgrade the wq_sql schema (alias: migrate)", ["migrate"])
-    up.add_argument("--sql", action="store_true", help="print the DDL instead of running it (offline)")
+    up.add_argument("--sql", action="store_true",
+                    help="print the DDL from the database's revision to head instead of running it")
+    up.add_argument("--from", dest="from_rev", metavar="REV",
+                    help="with --sql: start from revision REV without connecting (base: no schema yet)")
     add("current", cmd_current, "show the schema revision of the database")
     add("ls", cmd_ls, "list queues with their configuration and progress")
     cr = add("create", cmd_create, "create a queue ahead of the job (the rules and checks of WorkQueue(...))")
@@ -708,7 +859,9 @@ def _parser() -> argparse.ArgumentParser:
     src = cr.add_mutually_exclusive_group(required=True)
     src.add_argument("--works", nargs="+", metavar="WORK",
                      help="works, in order; an argument with * ? [ is a glob of local files, expanded "
-                          "in sorted order (quote it); anything else is a work as given, e.g. hdfs://...")
+                          "in sorted order (quote it); anything else is a work as given, e.g. hdfs://...; "
+                          "relative paths are stored as given and each worker opens them relative to "
+                          "its own working directory")
     src.add_argument("--works-from", metavar="FILE",
                      help="a text file listing one work per line (- for stdin; # starts a comment)")
     cr.add_argument("--epochs", type=int, default=1, help="num_epochs (default 1)")
@@ -717,8 +870,12 @@ def _parser() -> argparse.ArgumentParser:
     cr.add_argument("--seed", type=int, help="shuffle seed (default: a random one, printed)")
     cr.add_argument("--prefix", help="prepended to each work when it is handed out")
     cr.add_argument("--num-slices", type=int, help="num_slices, as in DeepRec")
-    cr.add_argument("--max-attempts", type=int, default=3, help="failed deliveries before an item is "
-                    "failed (default 3)")
+    cr.add_argument("--max-attempts", type=int, help="failed deliveries before an item is failed "
+                    "(default 3; for an existing queue, only checked against its value)")
+    ex = add("extend", cmd_extend, "raise a queue's num_epochs (never lowers it); workers then join with "
+             "the new num_epochs")
+    ex.add_argument("name", metavar="NAME")
+    ex.add_argument("--epochs", type=int, required=True, metavar="N", help="the new num_epochs")
     st = add("status", cmd_status, "items per epoch and state, and the live workers of a queue")
     st.add_argument("name", metavar="NAME")
     st.add_argument("--watch", action="store_true", help="redraw with a progress bar until the queue is done")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
+from typing import Optional
+
 
 class WqSqlError(Exception):
     """Base class of every wq_sql error."""
@@ -23,14 +26,18 @@ class QueueEmpty(WqSqlError):
 
 
 class QueueConfigMismatch(WqSqlError):
-    """The stored queue was created with another configuration."""
+    """The stored queue was created with another configuration. ``extend_to``: the ``num_epochs``
+    given, when it is more than the stored one (the queue can be extended to it)."""
 
-    def __init__(self, queue: str, differences: list[str]) -> None:
-        self.queue, self.differences = queue, differences
+    def __init__(self, queue: str, differences: list[str], extend_to: Optional[int] = None) -> None:
+        self.queue, self.differences, self.extend_to = queue, differences, extend_to
+        name = shlex.quote(queue)
+        extend = (f" To add epochs to it: `python -m wq_sql extend {name} --epochs {extend_to}` "
+                  f"(or wq.extend_epochs({extend_to})), then join again." if extend_to else "")
         super().__init__(
-            f"queue {queue!r} exists with another configuration: {'; '.join(differences)}. "
-            f"Use another name=, or start over with `python -m wq_sql reset {queue}` "
-            f"(or wq_sql.reset_queue(...)); to add epochs call wq.extend_epochs(n)."
+            f"queue {queue!r} exists with another configuration: {'; '.join(differences)}.{extend} "
+            f"Use another name=, or start over with `python -m wq_sql reset {name}` "
+            f"(or wq_sql.reset_queue(...))."
         )
 
 

@@ -58,6 +58,12 @@ def head_revision() -> str:
     return head
 
 
+def revisions() -> list[str]:
+    """Every revision of the shipped migrations, oldest first."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
 def current_revision(conn: Connection, schema: Optional[str] = None) -> Optional[str]:
     ctx = MigrationContext.configure(conn, opts={"version_table_schema": schema})
     return ctx.get_current_revision()

@@ -44,6 +44,7 @@ from wq_sql.identity import (
     process_start,
 )
 from wq_sql.migrate import ensure_schema
+from wq_sql.mismatch import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 from wq_sql.pacer import JustInTime, Pace
 from wq_sql.plan import (
     QueueSpec,
@@ -123,22 +124,54 @@ class WorkQueue:
             for path in wq:          # each item is done when the next is taken
                 train_on(path)
 
-    Arguments before ``*`` are DeepRec's. ``url`` defaults to ``$WQ_SQL_URL``, else
-    ``sqlite:///wq_sql.db``; ``worker`` to ``$WQ_SQL_WORKER``, else ``$TF_CONFIG``'s task, else
-    ``host:pid``. ``lease_seconds`` is how long an item stays claimed after its worker stops
-    heartbeating; ``lease_ahead`` how many items one round trip claims; ``max_attempts`` how many
-    failed deliveries (``fail()``, expired lease, crash) make an item ``failed``.
-    ``auto_complete=False`` makes ``take()`` stop marking earlier items done: call
-    ``complete(item)`` yourself. ``claim_ahead=True`` claims the next item in a background
-    thread shortly before this worker is expected to take it (by its own pace), so ``take()``
-    rarely waits for the database (see :mod:`wq_sql.pacer`).
+    Arguments before ``*`` are DeepRec's: ``works`` (a non-empty list of str or UTF-8 bytes, each
+    stripped; ``None`` only through :meth:`attach`), ``num_epochs``, ``shuffle``, ``seed``
+    (``None``: a random one when creating, the stored one when joining), ``prefix`` (prepended to
+    each work when it is handed out; may differ between workers), ``num_slices`` (cut sliceable
+    works, ``table:...`` and ``lines:...``, into this many items in all) and ``name`` (the queue;
+    many live side by side in one database). A worker joining with other works, ``num_epochs``,
+    ``shuffle``, ``num_slices``, an explicit other ``seed`` or ``max_attempts`` gets
+    :class:`QueueConfigMismatch`.
+
+    Keyword-only:
+
+    - ``url``: the database; default ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db``.
+    - ``worker``: this worker's identity; default ``$WQ_SQL_WORKER``, else ``$TF_CONFIG``'s
+      ``type:index``, else ``host:pid``. A restarted worker with the same identity takes back the
+      items its previous process held, at once.
+    - ``lease_seconds=60``: how long a claimed item stays claimed after its worker's last
+      heartbeat; then any worker may take it (an attempt counted).
+    - ``lease_ahead=1``: items claimed per round trip, kept in a local buffer until taken.
+    - ``max_attempts=None``: failed deliveries (``fail()``, an expired lease, a crash) after
+      which an item is ``failed``; ``None`` means the stored value when joining, 3 when creating.
+    - ``auto_complete=True``: ``take()`` marks the previous item done; ``False``: items are done
+      only when you ``complete(item)`` them.
+    - ``max_item_seconds=None``: stop renewing an item's lease this long after it was claimed, so
+      that a worker hung on one item loses it (``None``: renew while the process lives).
+    - ``heartbeat_seconds=None``: how often a background thread renews this worker's leases;
+      default ``min(lease_seconds / 6, 5)``, at most half of ``lease_seconds``. Another process
+      may take this worker identity over once its heartbeat is ``3 * heartbeat_seconds`` old.
+    - ``poll_seconds=1``: the longest pause between two looks at the queue while ``take()`` waits
+      for the last items, which other workers hold.
+    - ``busy_timeout=30``: seconds a transaction is retried while SQLite stays locked by other
+      writers (then :class:`DatabaseBusy`) or while a database connection is lost (then the
+      driver's error).
+    - ``schema``: the PostgreSQL schema that holds the tables (teams sharing one database).
+    - ``engine``: an SQLAlchemy engine of your own instead of one made from ``url`` (e.g.
+      ``make_engine(resolve_url(url), startup_options=False)`` behind PgBouncer).
+    - ``claim_ahead=False``: claim the next item in a background thread shortly before this
+      worker is expected to take it (by its own pace), so ``take()`` rarely waits for the
+      database (see :mod:`wq_sql.pacer`).
+
+    Events go to the ``wq_sql`` logger: WARNING for what needs attention (a lost database
+    connection, recovered items), INFO for routine ones (a queue created, expired leases).
     """
 
     def __init__(self, works: Optional[Sequence[Work]], num_epochs: int = 1, shuffle: bool = True,
                  seed: Optional[int] = None, prefix: Optional[str] = None,
                  num_slices: Optional[int] = None, name: str = "work_queue", *,
                  url: Optional[str | URL] = None, worker: Optional[str] = None,
-                 lease_seconds: float = 60.0, lease_ahead: int = 1, max_attempts: int = 3,
+                 lease_seconds: float = 60.0, lease_ahead: int = 1, max_attempts: Optional[int] = None,
                  auto_complete: bool = True, max_item_seconds: Optional[float] = None,
                  heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
                  busy_timeout: float = 30.0, schema: Optional[str] = None,
@@ -153,7 +186,8 @@ class WorkQueue:
         _check_positive("busy_timeout", busy_timeout)
         _check_positive("poll_seconds", poll_seconds)
         _check_count("lease_ahead", lease_ahead)
-        _check_count("max_attempts", max_attempts)
+        if max_attempts is not None:
+            _check_count("max_attempts", max_attempts)
         if max_item_seconds is not None:
             _check_seconds("max_item_seconds", max_item_seconds)
         if heartbeat_seconds is not None:
@@ -308,7 +342,7 @@ class WorkQueue:
 
     # ------------------------------------------------------------------ opening and joining
 
-    def _open(self, spec: Optional[QueueSpec], max_attempts: int) -> Any:
+    def _open(self, spec: Optional[QueueSpec], max_attempts: Optional[int]) -> Any:
         row = self._tx(lambda c: ops.find_queue(c, self.name), read=True)
         if row is None and spec is None:
             raise QueueNotFound(f"no queue named {self.name!r} in {safe_url(self._url)}; create it "
@@ -319,18 +353,21 @@ class WorkQueue:
             seed = spec.seed if spec.seed is not None else new_seed()
 
             def create(c: Connection) -> tuple[Optional[int], Any]:
-                qid = ops.create_queue(c, self._backend, self.name, spec, items, seed, max_attempts)
+                qid = ops.create_queue(c, self._backend, self.name, spec, items, seed,
+                                       DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
                 return qid, ops.find_queue(c, self.name)
 
             qid, row = self._tx(create)
             if qid is not None:
                 log.info("created queue %r: %d items per epoch, %d epochs", self.name,
                          row.n_works, row.num_epochs)
-        if spec is not None:
-            diffs = _differences(row, spec)
-            if diffs:
-                raise QueueConfigMismatch(self.name, diffs)
-        done, failed = self._tx(lambda c: ops.progress(c, row.id), read=True)
+
+        def check(c: Connection) -> tuple[list[str], tuple[int, int]]:
+            return differences(c, row, spec, max_attempts), ops.progress(c, row.id)
+
+        diffs, (done, failed) = self._tx(check, read=True)
+        if diffs:
+            raise QueueConfigMismatch(self.name, diffs, extend_to(row, spec))
         if done + failed >= row.n_works * row.num_epochs:
             log.warning("queue %r is already finished (%d done, %d failed): take() will raise "
                         "QueueExhausted. Use another name, or reset it to start over.",
@@ -941,22 +978,6 @@ def _transient(e: DBAPIError, b: Backend, reached: bool) -> Optional[str]:
     if code in ("40P01", "40001"):
         return "deadlock or serialization failure"
     return None
-
-
-def _differences(row: Any, spec: QueueSpec) -> list[str]:
-    diffs = []
-    if row.works_digest != spec.works_digest:
-        diffs.append(f"works differ (stored digest {row.works_digest[:12]}..., given "
-                     f"{spec.works_digest[:12]}... for {len(spec.works)} works)")
-    if row.num_epochs != spec.num_epochs:
-        diffs.append(f"num_epochs: stored {row.num_epochs}, given {spec.num_epochs}")
-    if row.shuffle != spec.shuffle:
-        diffs.append(f"shuffle: stored {row.shuffle}, given {spec.shuffle}")
-    if row.num_slices != spec.num_slices:
-        diffs.append(f"num_slices: stored {row.num_slices}, given {spec.num_slices}")
-    if spec.seed is not None and row.seed != spec.seed:
-        diffs.append(f"seed: stored {row.seed}, given {spec.seed}")
-    return diffs
 
 
 def _check_name(name: object) -> str:

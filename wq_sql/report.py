@@ -235,25 +235,36 @@ RATE_WINDOW_SECONDS = 60.0
 RATE_EVENT_SPAN = 20_000
 
 
-def done_rate(conn: Connection, qid: int, now: dt.datetime) -> Optional[float]:
-    """Items done per second over the last minute (from the newest ``done`` events), or None
-    when fewer than two items were done in that minute."""
+@dataclass(frozen=True)
+class RecentDone:
+    """The items done in the last minute: how many, per worker id, and how fast."""
+
+    done: int
+    by_worker: dict[Optional[int], int]
+    rate: Optional[float]  # items per second; None with fewer than two (a rate needs two points)
+
+
+def recent_done(conn: Connection, qid: int, now: dt.datetime) -> RecentDone:
+    """Items done in the ``RATE_WINDOW_SECONDS`` before ``now`` (from the newest ``done``
+    events). The rate spans the oldest of them to ``now``: ``(k - 1) / span`` for ``k`` items."""
     e = ops.events
     newest = conn.execute(select(func.max(e.c.id)).where(e.c.queue_id == qid)).scalar_one_or_none()
     if newest is None:
-        return None
+        return RecentDone(0, {}, None)
     since = now - dt.timedelta(seconds=RATE_WINDOW_SECONDS)
-    row = conn.execute(
-        select(func.count(), func.min(e.c.at))
+    rows = conn.execute(
+        select(e.c.worker_id, func.count(), func.min(e.c.at))
         .where(e.c.id > newest - RATE_EVENT_SPAN, e.c.queue_id == qid, e.c.kind == EV_DONE,
-               e.c.at >= since)).one()
-    k, oldest = int(row[0]), row[1]
-    if k < 2 or oldest is None:
-        return None
+               e.c.at >= since).group_by(e.c.worker_id)).all()
+    by_worker = {r[0]: int(r[1]) for r in rows}
+    k = sum(by_worker.values())
+    if k < 2:
+        return RecentDone(k, by_worker, None)
+    oldest = min(r[2] for r in rows)
     if oldest.tzinfo is None:
         oldest = oldest.replace(tzinfo=dt.timezone.utc)
     span = max((now - oldest).total_seconds(), 1e-3)
-    return (k - 1) / span
+    return RecentDone(k, by_worker, (k - 1) / span)
 
 
 # ---------------------------------------------------------------- timeline

@@ -47,6 +47,10 @@ def test_same_constructor_as_the_core(url: str) -> None:
     assert joined.take().numpy() == b"p/or"  # "p/be" is leased ahead by the first worker
     with pytest.raises(wq_sql.QueueConfigMismatch):
         WorkQueue(WORKS, 3, name="q", url=url, worker="w3")
+    # max_attempts reaches the core unchanged: not given joins, another value is refused.
+    assert joined.queue.max_attempts == 3
+    with pytest.raises(wq_sql.QueueConfigMismatch, match="max_attempts: stored 3, given 5"):
+        WorkQueue(WORKS, 2, False, 3, "p/", None, "q", url=url, worker="w4", max_attempts=5)
 
 
 def test_eager_take_is_a_scalar_string_then_out_of_range(url: str) -> None:
