@@ -62,5 +62,5 @@ bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; need
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
 
-clean:  ## remove the venv and local databases
-	rm -rf $(VENV) *.db *.db-wal *.db-shm
+clean:  ## remove the venv, local databases and the demo's timeline
+	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html
