@@ -12,22 +12,32 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.core: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e ".[test]"
+# Editable installs. setuptools prints an information note on each one ("Editable installation":
+# our migrations/ folder maps into the package, so it installs an import hook); nothing to act on.
+PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e
+
+# Stamps: the package alone (demo, bench); with the test tools (lint, test-core); with them and
+# TensorFlow (test, test-tf).
+$(VENV)/.pkg: $(BIN)/python pyproject.toml
+	$(PIP_INSTALL) .
 	touch $@
 
-$(VENV)/.tf: $(VENV)/.core
-	$(BIN)/pip install -q -e ".[test,tf,plot]"
+$(VENV)/.test: $(BIN)/python pyproject.toml
+	$(PIP_INSTALL) ".[test]"
 	touch $@
 
-demo: $(VENV)/.core  ## set up and run the multi-worker long-tail demo on SQLite
+$(VENV)/.tf: $(BIN)/python pyproject.toml
+	$(PIP_INSTALL) ".[test,tf,plot]"
+	touch $@
+
+demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 	$(BIN)/python examples/long_tail_demo.py
 
 test: $(VENV)/.tf  ## set up and run every test (SQLite and PostgreSQL, core and TensorFlow)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests
 
-test-core: $(VENV)/.core  ## the core suite only (no TensorFlow)
+test-core: $(VENV)/.test  ## the core suite only (no TensorFlow)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests --ignore=tests/tf
 
@@ -35,11 +45,11 @@ test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests/tf
 
-lint: $(VENV)/.core  ## ruff
+lint: $(VENV)/.test  ## ruff and mypy
 	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
 
-bench: $(VENV)/.core  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
+bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
 	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
 	$(BIN)/python bench/claim_throughput.py && $(BIN)/python bench/long_tail.py && \
 	$(BIN)/python bench/long_tail.py --backend postgresql && \
@@ -52,5 +62,5 @@ bench: $(VENV)/.core  ## run the benchmarks of BENCHMARKS.md (about 2 hours; nee
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
 
-clean:  ## remove the venv and local databases
-	rm -rf $(VENV) *.db *.db-wal *.db-shm
+clean:  ## remove the venv, local databases and the demo's timeline
+	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import multiprocessing as mp
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -208,9 +209,31 @@ def report(url: str, speeds: dict[str, float], n_items: int, epochs: int,
           + (f", {pairs - once} more than one" if pairs != once else ""))
     print(f"  wq_audit:   {done} of {items} items are done; the workers' own logs "
           f"{'agree' if logged == expected else 'DISAGREE'} ({len(logged)} items received)")
+    cli, shown = _cli(), shlex.quote(_shown(url))
     print(f"\n{n} processes, {wall:.1f} s wall clock including start-up. Look closer with:\n"
-          f"  python -m wq_sql status {QUEUE} --url '{_shown(url)}'")
+          f"  {cli} status {QUEUE} --url {shown}\n"
+          f"  {cli} report {QUEUE} --url {shown} --out {QUEUE}.html")
     return ok
+
+
+def _cli() -> str:
+    """The ``wq-sql`` command of the Python running this demo, as a path that works from here
+    (``.venv/bin/wq-sql`` after ``make demo``): it runs as printed, with no venv activated."""
+    bindir = Path(sys.executable).parent
+    script = bindir / "wq-sql"
+    if not script.exists():  # not installed as a script (Windows, a checkout on PYTHONPATH)
+        return f"{_here(Path(sys.executable))} -m wq_sql"
+    return _here(script)
+
+
+def _here(path: Path) -> str:
+    """``path`` relative to the current folder when it is inside it, else absolute; quoted for a shell."""
+    try:
+        rel = path.relative_to(Path.cwd())
+    except ValueError:
+        return shlex.quote(str(path))
+    # Never a bare name, which the shell would look up in $PATH.
+    return shlex.quote(str(rel) if rel.parent != Path(".") else f"./{rel}")
 
 
 def _span(values: list[int]) -> str:
@@ -218,9 +241,10 @@ def _span(values: list[int]) -> str:
 
 
 def _shown(url: str) -> str:
-    from wq_sql.engine import resolve_url, safe_url
+    """The URL as given, its password hidden."""
+    from sqlalchemy.engine import make_url
 
-    return safe_url(resolve_url(url))
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -4,6 +4,7 @@ records of hand-outs that overlapped the save of the restored checkpoint, which 
 ``ambiguous`` in ``wq_checkpoints``: those may be trained twice, never lost).
 
     python examples/tf_checkpoint_resume.py
+    WQ_SQL_URL=postgresql://user@host/db python examples/tf_checkpoint_resume.py
 
 ``WorkQueue(..., consumed="checkpoint")`` keeps the items handed to the pipeline claimed until a
 checkpoint covers them; ``wq.checkpoint_manager(...)`` is a ``tf.train.CheckpointManager`` whose
@@ -12,21 +13,27 @@ in the checkpoint, what the pipeline was reading at the save is in the checkpoin
 
 The "model" counts how often it saw each record (a variable in the checkpoint), so the final
 counts show what the restored checkpoint plus the training after the restart saw. The setup
-writes twelve small files and a fresh SQLite queue database to a temp dir.
+writes twelve small files and the checkpoints to a temp dir, and the queue to ``$WQ_SQL_URL``, by
+default a fresh SQLite file in that dir; the queue has a name of its own and is dropped at the
+end, also after an error.
 """
 
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
+import uuid
+
+import sqlalchemy as sa
+
+import wq_sql
 
 N_FILES, LINES = 12, 10
 
 
-def train(tmp, kill_at):
+def train(tmp, url, queue, kill_at):
     """One training process: restore the latest checkpoint (if any), train, save every 5 steps."""
     import tensorflow as tf
 
@@ -34,7 +41,7 @@ def train(tmp, kill_at):
 
     files = [os.path.join(tmp, f"part-{i:02d}.txt") for i in range(N_FILES)]
     # The same worker identity after a restart: it takes back the items it held.
-    wq = WorkQueue(files, url=f"sqlite:///{tmp}/wq.db", worker="trainer-0", consumed="checkpoint")
+    wq = WorkQueue(files, url=url, name=queue, worker="trainer-0", consumed="checkpoint")
     dataset = tf.data.TextLineDataset(wq.input_dataset())
     dataset = dataset.map(lambda line: tf.strings.to_number(line, tf.int32)).batch(4).prefetch(2)
     iterator = iter(dataset)
@@ -58,32 +65,45 @@ def train(tmp, kill_at):
             "counts": counts.numpy().tolist(), "done": wq.progress().done}
 
 
-if len(sys.argv) == 3:  # a training process started below
-    print(json.dumps(train(sys.argv[1], int(sys.argv[2]))))
+if len(sys.argv) == 5:  # a training process started below
+    print(json.dumps(train(*sys.argv[1:4], int(sys.argv[4]))))
     sys.exit(0)
 
 tmp = tempfile.mkdtemp(prefix="wq_sql_tf_ckpt_")
+url = os.environ.get("WQ_SQL_URL") or f"sqlite:///{tmp}/wq.db"
+queue = f"tf_checkpoint_resume_{uuid.uuid4().hex[:8]}"  # this run's own, in a database that may be shared
 for i in range(N_FILES):
     with open(os.path.join(tmp, f"part-{i:02d}.txt"), "w") as f:
         f.writelines(f"{i * LINES + j}\n" for j in range(LINES))
 
 
 def run(kill_at):
-    return subprocess.run([sys.executable, __file__, tmp, str(kill_at)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, __file__, tmp, url, queue, str(kill_at)], capture_output=True,
+                          text=True)
 
 
-first = run(kill_at=13)
-print(f"first run: killed by SIGKILL at step 13: {first.returncode == -signal.SIGKILL}")
-second = json.loads(run(kill_at=-1).stdout.strip().splitlines()[-1])
-print(f"second run: restored {second['restored']}")
-counts = second["counts"]
-step = int(second["restored"].split("-")[-1])
-with sqlite3.connect(os.path.join(tmp, "wq.db")) as db:
-    ambiguous = db.execute("SELECT ambiguous FROM wq_checkpoints WHERE action = 'save' AND step = ?",
-                           (step,)).fetchone()[0]
-twice = sum(c - 1 for c in counts if c > 1)
-print(f"records: {len(counts)}, every record trained at least once: {min(counts) >= 1}")
-print(f"records trained more than once: {twice}, within the {ambiguous} hand-out(s) that overlapped "
-      f"the save: {twice <= ambiguous * LINES}")
-print(f"every record trained exactly once: {counts == [1] * len(counts)}")
-print(f"items done: {second['done']} of {N_FILES}")
+try:
+    first = run(kill_at=13)
+    print(f"first run: killed by SIGKILL at step 13: {first.returncode == -signal.SIGKILL}")
+    proc = run(kill_at=-1)
+    if proc.returncode != 0:
+        raise SystemExit(f"the second run failed:\n{proc.stderr}")
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"second run: restored {second['restored']}")
+    counts = second["counts"]
+    step = int(second["restored"].split("-")[-1])
+    engine = sa.create_engine(url)  # any SQL client can read the queue's tables
+    with engine.connect() as c:
+        ambiguous = c.execute(sa.text(
+            "SELECT c.ambiguous FROM wq_checkpoints c JOIN wq_queues q ON q.id = c.queue_id "
+            "WHERE q.name = :q AND c.action = 'save' AND c.step = :step"),
+            {"q": queue, "step": step}).scalar_one()
+    engine.dispose()
+    twice = sum(c - 1 for c in counts if c > 1)
+    print(f"records: {len(counts)}, every record trained at least once: {min(counts) >= 1}")
+    print(f"records trained more than once: {twice}, within the {ambiguous} hand-out(s) that overlapped "
+          f"the save: {twice <= ambiguous * LINES}")
+    print(f"every record trained exactly once: {counts == [1] * len(counts)}")
+    print(f"items done: {second['done']} of {N_FILES}")
+finally:
+    wq_sql.drop_queue(queue, url)  # a shared database keeps no trace of this run

@@ -3,10 +3,12 @@
     python examples/tf_keras_fit.py
 
 The queue's ``num_epochs`` makes the epochs: ``fit(..., epochs=1)`` reads the whole queue once,
-so a fast worker reads more files than a slow one. The setup writes six small CSV files and a
-fresh SQLite queue database to a temp dir.
+so a fast worker reads more files than a slow one. The setup writes six small CSV files to a
+temp dir, and the queue to ``$WQ_SQL_URL``, by default a fresh SQLite file in that dir
+(``WQ_SQL_URL=postgresql://user@host/db python examples/tf_keras_fit.py``).
 """
 
+import atexit
 import os
 import random
 import tempfile
@@ -15,11 +17,12 @@ import warnings
 import keras
 import tensorflow as tf
 
+import wq_sql
 from wq_sql.tf import WorkQueue
 
 # ---- setup: six small CSV files of (x1, x2, label) with label = x1 + x2 > 0
 tmp = tempfile.mkdtemp(prefix="wq_sql_tf_keras_")
-os.environ["WQ_SQL_URL"] = f"sqlite:///{tmp}/wq.db"
+os.environ.setdefault("WQ_SQL_URL", f"sqlite:///{tmp}/wq.db")
 rng = random.Random(7)
 files = []
 for i in range(6):
@@ -29,6 +32,18 @@ for i in range(6):
             x1, x2 = rng.uniform(-1, 1), rng.uniform(-1, 1)
             f.write(f"{x1:.4f},{x2:.4f},{int(x1 + x2 > 0)}\n")
 num_epochs, batch_size = 2, 32
+
+
+def drop_queue_at_exit():
+    """$WQ_SQL_URL may name a shared database: leave no queue there, also after an error. The queue
+    is this run's own: its works are this run's temp files, so a queue of the same name from
+    elsewhere would have been refused, not joined."""
+    if "work_queue" in globals():
+        work_queue.close()
+        wq_sql.drop_queue(work_queue.name)
+
+
+atexit.register(drop_queue_at_exit)
 
 
 def parse(line):

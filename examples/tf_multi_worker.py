@@ -9,6 +9,7 @@ files; the queue hands each file to exactly one of them, the faster workers taki
 each worker read and checks, from the files and from the queue's own audit trail (the
 ``wq_history`` view), that every line was read exactly once and every item done exactly once.
 On a cluster, each machine runs the worker part with the same file list and ``WQ_SQL_URL``.
+The queue has a fresh name in the database and is dropped at the end, also after an error.
 """
 
 import json
@@ -19,6 +20,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+import sqlalchemy as sa
+
+import wq_sql
 
 N_WORKERS, N_FILES, NUM_EPOCHS = 3, 24, 2
 
@@ -58,11 +63,37 @@ def main() -> None:
         Path(tmp, "data", f"part-{i:02d}.txt").write_text("\n".join(lines) + "\n")
         expected += lines * NUM_EPOCHS
 
+    try:
+        run_workers(tmp, url, queue)
+        check(tmp, url, queue, expected)
+    finally:
+        wq_sql.drop_queue(queue, url)  # a shared database keeps no trace of this run, also after an error
+
+
+def run_workers(tmp: str, url: str, queue: str) -> None:
+    """Start the workers and wait for all of them; if one fails, stop the others (which would
+    otherwise wait for it at the start line) and say so."""
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), tmp, url, queue])
              for i in range(N_WORKERS)]
-    if any(p.wait() != 0 for p in procs):
-        raise SystemExit("a worker failed")
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                raise SystemExit(f"worker:{failed[0]} failed (exit code {codes[failed[0]]}); "
+                                 "see its traceback above")
+            if None not in codes:
+                return
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
+
+def check(tmp: str, url: str, queue: str, expected: list[str]) -> None:
+    """What each worker read, and whether the files and the queue's audit trail agree."""
     got = []
     for i in range(N_WORKERS):
         result = json.loads(Path(tmp, f"result-{i}.json").read_text())
@@ -71,10 +102,7 @@ def main() -> None:
     print(f"files: {N_FILES} x {NUM_EPOCHS} epochs, lines read: {len(got)}")
     print(f"every line exactly once per epoch: {sorted(got) == sorted(expected)}")
 
-    import sqlalchemy as sa
-
-    import wq_sql
-
+    # Plain SQLAlchemy on the same URL as the workers: any SQL client can audit the queue.
     engine = sa.create_engine(url)
     with engine.connect() as c:
         twice = c.execute(sa.text(
@@ -84,8 +112,6 @@ def main() -> None:
                          {"q": queue}).scalar_one()
     engine.dispose()
     print(f"every item done exactly once (wq_history): {not twice and done == N_FILES * NUM_EPOCHS}")
-    wq_sql.drop_queue(queue, url)
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from example_support import assert_left_nothing, tables_in, user_url
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("WQ_SQL_")} | {"PYTHONPATH": str(ROOT)}
 
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WQ_SQL_")}
-    env["PYTHONPATH"] = str(ROOT)
     p = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                       timeout=180, env=env, cwd=cwd)
+                       timeout=180, env=ENV, cwd=cwd)
     assert p.returncode == 0, f"{name} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
     assert "Traceback" not in p.stderr, p.stderr
     return p.stdout
@@ -45,8 +48,9 @@ def test_basic_default(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_basic_on_postgres(db_url: str, tmp_path: Path) -> None:
-    check_basic(run_example("basic.py", "--url", db_url, cwd=tmp_path))
-    check_basic(run_example("basic.py", "--url", db_url, cwd=tmp_path))  # runs again on the same database
+    url = user_url(db_url)
+    check_basic(run_example("basic.py", "--url", url, cwd=tmp_path))
+    check_basic(run_example("basic.py", "--url", url, cwd=tmp_path))  # runs again on the same database
 
 
 def check_demo(out: str) -> None:
@@ -67,25 +71,74 @@ def check_demo(out: str) -> None:
         assert label in out, out
 
 
-def test_long_tail_demo_quick(tmp_path: Path) -> None:
-    out = run_example("long_tail_demo.py", "--quick", cwd=tmp_path)
+def run_printed_commands(out: str, cwd: Path) -> list[str]:
+    """Run the commands the demo prints at its end, as a user pastes them into a shell where no
+    venv is active (the interpreter's folder not on $PATH); returns their output."""
+    commands = [line.strip() for line in out.split("Look closer with:\n")[1].splitlines() if line.strip()]
+    path = os.pathsep.join(d for d in ENV.get("PATH", "").split(os.pathsep)
+                           if d and Path(d).resolve() != Path(sys.executable).parent.resolve())
+    outputs = []
+    for command in commands:
+        p = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60, cwd=cwd,
+                           env={**ENV, "PATH": path})
+        assert p.returncode == 0, f"{command!r} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
+        outputs.append(p.stdout)
+    return outputs
+
+
+def test_long_tail_demo_quick(backend: str, db_url: str, tmp_path: Path) -> None:
+    """Default: a SQLite file here; or ``--url``. Either way the commands it prints at the end run
+    as printed."""
+    args = ["--quick"] if backend == "sqlite" else ["--quick", "--url", user_url(db_url)]
+    out = run_example("long_tail_demo.py", *args, cwd=tmp_path)
     check_demo(out)
-    assert (tmp_path / "long_tail_demo.db").exists()
-    # A second run replaces the file and starts over.
-    check_demo(run_example("long_tail_demo.py", "--quick", cwd=tmp_path))
+    assert (tmp_path / "long_tail_demo.db").exists() == (backend == "sqlite")
+    outputs = run_printed_commands(out, tmp_path)
+    assert len(outputs) == 2, out
+    status, report = outputs
+    assert "queue 'long_tail_demo'" in status, status
+    assert (tmp_path / "long_tail_demo.html").read_text().count('<rect class="bar"') == 48, report
+    # A second run replaces the queue (and the SQLite file) and starts over.
+    check_demo(run_example("long_tail_demo.py", *args, cwd=tmp_path))
 
 
-@pytest.mark.parametrize("backend", ["postgresql"])
-def test_long_tail_demo_quick_on_postgres(db_url: str, tmp_path: Path) -> None:
-    out = run_example("long_tail_demo.py", "--quick", "--url", db_url, cwd=tmp_path)
-    check_demo(out)
-    assert not (tmp_path / "long_tail_demo.db").exists()
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), EXAMPLES / name)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_sliced_sources(tmp_path: Path) -> None:
-    out = run_example("sliced_sources.py", cwd=tmp_path)
+def test_long_tail_demo_prints_the_command_of_its_own_python(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.venv/bin/wq-sql`` after ``make demo``; the interpreter's ``-m wq_sql`` where it has no
+    script; an absolute path when the venv is not under the current folder."""
+    demo = load_example("long_tail_demo.py")
+    bindir = tmp_path / "my project" / ".venv" / "bin"
+    bindir.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(bindir / "python"))
+    monkeypatch.chdir(tmp_path / "my project")
+    assert demo._cli() == ".venv/bin/python -m wq_sql"
+    (bindir / "wq-sql").touch()
+    assert demo._cli() == ".venv/bin/wq-sql"
+    monkeypatch.chdir(bindir)
+    assert demo._cli() == "./wq-sql"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert demo._cli() == shlex.quote(str(bindir / "wq-sql"))
+    assert demo._cli().startswith("'/")  # quoted: the path has a space
+
+
+def test_sliced_sources(backend: str, db_url: str, tmp_path: Path) -> None:
+    """Default: a throwaway SQLite file; or ``--url``, where it leaves no table and no queue."""
+    args = [] if backend == "sqlite" else ["--url", user_url(db_url)]
+    tables_before = tables_in(db_url) if backend == "postgresql" else []
+    out = run_example("sliced_sources.py", *args, cwd=tmp_path)
     assert "every row and line exactly once: True" in out, out
     reads = {line.split()[0]: int(line.split()[2]) for line in out.splitlines() if " read " in line}
     assert sorted(reads) == ["w0", "w1", "w2"] and sum(reads.values()) == 25_000, out
     assert min(reads["w0"], reads["w1"]) > reads["w2"], out  # the straggler read less
     assert list(tmp_path.iterdir()) == []
+    if backend == "postgresql":
+        assert_left_nothing(db_url, tables_before)

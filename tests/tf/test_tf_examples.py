@@ -1,5 +1,5 @@
-"""The TensorFlow examples run as users run them (a subprocess each); their printed output is
-checked, so they cannot rot."""
+"""The TensorFlow examples run as users run them (a subprocess each), on SQLite by default and on
+PostgreSQL through ``$WQ_SQL_URL``; their printed output is checked, so they cannot rot."""
 
 from __future__ import annotations
 
@@ -8,23 +8,35 @@ import sys
 from pathlib import Path
 
 import pytest
+from example_support import assert_left_nothing, tables_in, user_url
 from tf_support import ENV, ROOT
 
 
-def run_example(name: str, tmp_path: Path) -> list[str]:
+def run_example(name: str, tmp_path: Path, backend: str = "sqlite", db_url: str = "",
+                timeout: float = 180) -> list[str]:
+    """Run an example: on its default SQLite file, or with ``$WQ_SQL_URL`` naming the test's
+    Postgres database, where it must leave no queue and no table behind."""
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
     tmp.mkdir()
+    env = {k: v for k, v in ENV.items() if k != "WQ_SQL_URL"} | {"TMPDIR": str(tmp)}
+    if backend == "postgresql":
+        env["WQ_SQL_URL"] = user_url(db_url)
+        tables = tables_in(db_url)
     p = subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True,
-                       timeout=180, env={**ENV, "TMPDIR": str(tmp)}, cwd=cwd)
+                       timeout=timeout, env=env, cwd=cwd)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout}\n{p.stderr[-5000:]}"
     assert "Traceback" not in p.stderr, p.stderr[-5000:]
     assert not list(cwd.iterdir()), "examples keep their files in a temp dir"
+    if backend == "postgresql":
+        assert_left_nothing(db_url, tables)
+    else:
+        assert list(tmp.rglob("*.db")), "the example's default: a SQLite file in a temp dir"
     return p.stdout.splitlines()
 
 
-def test_tf_dataset(tmp_path: Path) -> None:
-    assert run_example("tf_dataset.py", tmp_path) == [
+def test_tf_dataset(backend: str, db_url: str, tmp_path: Path) -> None:
+    assert run_example("tf_dataset.py", tmp_path, backend, db_url) == [
         "batches: 13",
         "lines: 100",
         "every line exactly once: True",
@@ -32,8 +44,8 @@ def test_tf_dataset(tmp_path: Path) -> None:
     ]
 
 
-def test_tf_reader(tmp_path: Path) -> None:
-    assert run_example("tf_reader.py", tmp_path) == [
+def test_tf_reader(backend: str, db_url: str, tmp_path: Path) -> None:
+    assert run_example("tf_reader.py", tmp_path, backend, db_url) == [
         "records: 18",
         "every line exactly once: True",
         "summaries: work_queue/done, work_queue/epoch, work_queue/fraction_of_3_full, "
@@ -41,16 +53,16 @@ def test_tf_reader(tmp_path: Path) -> None:
     ]
 
 
-def test_tf_table_reader(tmp_path: Path) -> None:
-    assert run_example("tf_table_reader.py", tmp_path) == [
+def test_tf_table_reader(backend: str, db_url: str, tmp_path: Path) -> None:
+    assert run_example("tf_table_reader.py", tmp_path, backend, db_url) == [
         "items per epoch: 10",
         "records: 1000",
         "every row exactly once: True",
     ]
 
 
-def test_tf_keras_fit(tmp_path: Path) -> None:
-    assert run_example("tf_keras_fit.py", tmp_path) == [
+def test_tf_keras_fit(backend: str, db_url: str, tmp_path: Path) -> None:
+    assert run_example("tf_keras_fit.py", tmp_path, backend, db_url) == [
         "steps: 24",
         "items done: 12 of 12",
         "loss went down: True",
@@ -58,8 +70,8 @@ def test_tf_keras_fit(tmp_path: Path) -> None:
     ]
 
 
-def test_tf_checkpoint_resume(tmp_path: Path) -> None:
-    out = run_example("tf_checkpoint_resume.py", tmp_path)
+def test_tf_checkpoint_resume(backend: str, db_url: str, tmp_path: Path) -> None:
+    out = run_example("tf_checkpoint_resume.py", tmp_path, backend, db_url)
     assert out[:3] == [
         "first run: killed by SIGKILL at step 13: True",
         "second run: restored ckpt-10",
@@ -108,16 +120,9 @@ def test_examples_are_deeprecs_but_for_the_import(name: str, deeprec: str) -> No
     assert ours[start:start + len(theirs)] == theirs
 
 
-def test_tf_multi_worker(db_url: str, tmp_path: Path) -> None:
-    """Three worker processes on one queue, on SQLite and on PostgreSQL (via ``WQ_SQL_URL``)."""
-    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
-    cwd.mkdir()
-    tmp.mkdir()
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / "tf_multi_worker.py")], capture_output=True,
-                       text=True, timeout=300, env={**ENV, "TMPDIR": str(tmp), "WQ_SQL_URL": db_url}, cwd=cwd)
-    assert p.returncode == 0, f"tf_multi_worker.py failed:\n{p.stdout}\n{p.stderr[-5000:]}"
-    assert "Traceback" not in p.stderr, p.stderr[-5000:]
-    out = p.stdout.splitlines()
+def test_tf_multi_worker(backend: str, db_url: str, tmp_path: Path) -> None:
+    """Three worker processes on one queue."""
+    out = run_example("tf_multi_worker.py", tmp_path, backend, db_url, timeout=300)
     workers = [line.split() for line in out[:3]]
     assert [w[0] for w in workers] == ["worker:0", "worker:1", "worker:2"]
     assert sum(int(w[2]) for w in workers) == 48  # 24 files x 2 epochs, each file to one worker
