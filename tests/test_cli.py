@@ -500,6 +500,43 @@ def test_status_reports_one_item_done_and_each_workers_last_minute(
         b.release(held)
 
 
+def test_status_splits_buffered_from_holding_and_marks_stale_workers(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    from worker_proc import query, query_commit
+
+    from wq_sql import WorkQueue
+
+    works = [f"w{i}" for i in range(10)]
+    with WorkQueue(works, shuffle=False, name="q", url=db_url, worker="alice", lease_ahead=3,
+                   heartbeat_seconds=0.3) as a, \
+         WorkQueue.attach("q", url=db_url, worker="bob", heartbeat_seconds=20) as b:
+        a.take()
+        b.take()
+        deadline = time.monotonic() + 30
+        while query(db_url, "SELECT buffered FROM wq_workers WHERE name = 'alice'") != [(2,)]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rc, out, _ = run_cli(capsys, "status", "q", "--url", db_url)
+        workers = table(out, "WORKER")
+        assert workers["alice"][-5:] == ["2", "1", "0", "0", "0"], out  # BUFFERED HOLDING DONE ...
+        assert workers["bob"][-5:] == ["0", "1", "0", "0", "0"], out
+        assert "STALE" not in out
+        query_commit(db_url, "UPDATE wq_workers SET heartbeat_at = :t WHERE name = 'bob'",
+                     t="2000-01-01 00:00:00.000000")
+        rc, out, _ = run_cli(capsys, "status", "q", "--url", db_url)
+        assert rc == 0 and "STALE" in table(out, "WORKER")["bob"], out
+        assert "STALE: 'bob' stopped heartbeating" in out and "wq-sql requeue q --worker bob" in out
+        # alice's next heartbeat returns bob's item, with a WARNING naming bob.
+        deadline = time.monotonic() + 30
+        while query(db_url, "SELECT count(*) FROM wq_history WHERE kind = 'expire'") != [(1,)]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        detail = query(db_url, "SELECT detail FROM wq_history WHERE kind = 'expire'")[0][0]
+        assert detail.startswith("worker 'bob' stopped heartbeating"), detail
+
+
 def test_create_notes_relative_paths(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from worker_proc import query_commit

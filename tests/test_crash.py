@@ -148,10 +148,73 @@ def test_sigkill_same_identity_gets_its_item_back_first(db_url: str, tmp_path: P
     assert audit(db_url, name, 0, 4).attempts == 0
 
 
-def test_sigkill_other_worker_gets_the_item_only_after_the_lease(db_url: str, tmp_path: Path,
-                                                                 procs: list[Proc]) -> None:
-    """Another worker, polling all along, gets a dead worker's item only once its lease ran out;
-    the ``expire`` event names the dead worker as the holder."""
+def test_sigkill_on_this_host_gives_the_item_to_another_worker_at_once(
+        db_url: str, tmp_path: Path, procs: list[Proc]) -> None:
+    """A worker on this host is SIGKILLed holding an item (identity not restarted): a live
+    worker sees that its process is gone at its next heartbeat and returns the item, logged at
+    WARNING with the dead worker's name, long before the 60 s lease runs out."""
+    n, name = 12, "deadpid"
+    works = make_works(n)
+    a = start(procs, db_url, name, "dead", tmp_path, n, shuffle=0, lease=60, heartbeat=0.5, hold=1)
+    barrier = tmp_path / "go"
+    b = start(procs, db_url, name, "other", tmp_path, n, shuffle=0, lease=60, heartbeat=0.5,
+              barrier=barrier)
+    assert holding(a) == (0, 0, works[0])
+    b.expect("READY")
+    a.kill()
+    barrier.touch()
+    until = lease_until(db_url, name, 0, 0)
+
+    assert b.finish(timeout=60) == 0, b.stderr()
+    assert b.lines[-1] == f"EXHAUSTED {n} 0"
+    assert sorted(b.received()) == [(0, s, works[s]) for s in range(n)]
+    h = history(db_url, name, 0, 0)
+    assert [(r.kind, r.worker) for r in h] == [("claim", "dead"), ("expire", "dead"),
+                                               ("claim", "other"), ("done", "other")]
+    assert h[1].detail.startswith("worker 'dead' died (its process"), h[1].detail
+    assert (ts(until) - ts(h[1].at)).total_seconds() > 40, (until, h)  # the lease had most of its time
+    assert "WARNING" in b.stderr() and "worker 'dead' died" in b.stderr(), b.stderr()
+    assert audit(db_url, name, 0, 0).attempts == 1
+    assert_all_done_once(db_url, name, n)
+
+
+def test_a_worker_elsewhere_that_stops_heartbeating_is_gone_after_three_beats(
+        db_url: str, tmp_path: Path, procs: list[Proc]) -> None:
+    """A worker on another host (its row says so) stops heartbeating: after 3 of its heartbeat
+    periods, well before its 60 s lease, a live worker returns its item."""
+    n, name = 6, "silent"
+    works = make_works(n)
+    a = start(procs, db_url, name, "far", tmp_path, n, shuffle=0, lease=60, heartbeat=0.5, hold=1)
+    barrier = tmp_path / "go"
+    b = start(procs, db_url, name, "near", tmp_path, n, shuffle=0, lease=60, heartbeat=0.5,
+              barrier=barrier)
+    assert holding(a) == (0, 0, works[0])
+    b.expect("READY")
+    query_commit(db_url, "UPDATE wq_workers SET host = 'elsewhere.example' WHERE name = 'far'")
+    a.kill()
+    barrier.touch()
+    until = lease_until(db_url, name, 0, 0)
+
+    assert b.finish(timeout=60) == 0, b.stderr()
+    assert b.lines[-1] == f"EXHAUSTED {n} 0"
+    h = history(db_url, name, 0, 0)
+    assert [(r.kind, r.worker) for r in h] == [("claim", "far"), ("expire", "far"),
+                                               ("claim", "near"), ("done", "near")]
+    assert h[1].detail.startswith("worker 'far' stopped heartbeating (last heartbeat "), h[1].detail
+    assert "on elsewhere.example" in h[1].detail
+    last_beat = query(db_url, "SELECT heartbeat_at FROM wq_workers WHERE name = 'far'")[0][0]
+    waited = (ts(h[1].at) - ts(last_beat)).total_seconds()
+    assert 1.5 <= waited < 30, (last_beat, h)
+    assert (ts(until) - ts(h[1].at)).total_seconds() > 30
+    assert "worker 'far' stopped heartbeating" in b.stderr()
+    assert_all_done_once(db_url, name, n)
+
+
+def test_an_older_workers_item_comes_back_only_after_the_lease(db_url: str, tmp_path: Path,
+                                                               procs: list[Proc]) -> None:
+    """A worker that does not say how often it beats (a row written before the liveness rule,
+    ``beat_seconds`` NULL) on another host: the other worker, polling all along, gets its item
+    only once the lease ran out; the ``expire`` event names the dead worker as the holder."""
     n, name, lease = 12, "expiry", 4.0
     works = make_works(n)
     a = start(procs, db_url, name, "dead", tmp_path, n, shuffle=0, lease=lease, heartbeat=0.5, hold=1)
@@ -160,6 +223,8 @@ def test_sigkill_other_worker_gets_the_item_only_after_the_lease(db_url: str, tm
               barrier=barrier)
     assert holding(a) == (0, 0, works[0])
     b.expect("READY")
+    query_commit(db_url, "UPDATE wq_workers SET host = 'elsewhere.example', beat_seconds = NULL "
+                         "WHERE name = 'dead'")
     a.kill()
     barrier.touch()
     until = lease_until(db_url, name, 0, 0)  # no heartbeat renews it any more
@@ -171,8 +236,9 @@ def test_sigkill_other_worker_gets_the_item_only_after_the_lease(db_url: str, tm
     assert sorted(got_b) == [(0, s, works[s]) for s in range(n)]
 
     h = history(db_url, name, 0, 0)
-    assert [(r.kind, r.worker) for r in h] == [("claim", "dead"), ("expire", "dead"),
-                                               ("claim", "other"), ("done", "other")]
+    assert [(r.kind, r.worker, r.detail) for r in h][:2] == [("claim", "dead", None),
+                                                             ("expire", "dead", "lease expired")]
+    assert [(r.kind, r.worker) for r in h][2:] == [("claim", "other"), ("done", "other")]
     assert ts(h[1].at) >= ts(until) and ts(h[2].at) >= ts(until), (until, h)
     # "other" was taking (and then polling) while the lease still ran.
     first_claim = query(db_url, "SELECT min(at) FROM wq_history WHERE kind = 'claim' AND worker = 'other'")

@@ -596,14 +596,26 @@ def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
 
     live = [r for r in workers if r.heartbeat_at is not None]
     left = len(workers) - len(live)
+    stale = [r for r in live if r.beat_seconds is not None
+             and (now - r.heartbeat_at).total_seconds() > ops.STALE_BEATS * r.beat_seconds]
     if live:
-        # DONE/MIN: items done in the last minute, this worker's own rate.
-        out += _table(["WORKER", "HOST", "PID", "LAST HEARTBEAT", "HOLDING", "DONE", "FAILED", "DONE/MIN"],
-                      [[r.name, r.host, r.pid, _ago(now, r.heartbeat_at), holding.get(r.id, 0),
+        # DONE/MIN: the worker's items done in the last minute.
+        out.append("workers (BUFFERED: claimed, not yet handed out, as of the last heartbeat; "
+                   "HOLDING: handed out, not yet done)")
+        out += _table(["WORKER", "HOST", "PID", "LAST HEARTBEAT", "BUFFERED", "HOLDING", "DONE", "FAILED",
+                       "DONE/MIN"],
+                      [[r.name, r.host, r.pid, _ago(now, r.heartbeat_at) + (" STALE" if r in stale else ""),
+                        min(r.buffered or 0, holding.get(r.id, 0)),
+                        max(0, holding.get(r.id, 0) - (r.buffered or 0)),
                         *by_worker.get(r.id, (0, 0)), recent.by_worker.get(r.id, 0)] for r in live],
-                      [False, False, True, False, True, True, True, True])
+                      [False, False, True, False, True, True, True, True, True])
     else:
         out.append("no live workers")
+    if stale:
+        names = ", ".join(repr(r.name) for r in stale)
+        out.append(f"STALE: {names} stopped heartbeating ({ops.STALE_BEATS} heartbeat periods missed); "
+                   "any live worker of the queue returns their items at its next heartbeat, or now: "
+                   f"wq-sql requeue {shlex.quote(q.name)} --worker {shlex.quote(stale[0].name)}")
     if left:
         out.append(f"({left} {'more ' if live else ''}worker(s) closed cleanly)")
     orphans = sum(k for wid, k in holding.items() if wid not in {r.id for r in live})

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from sqlalchemy import Engine, create_engine, event, literal_column
+from sqlalchemy import Engine, create_engine, event, func, literal_column
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
@@ -211,6 +211,12 @@ class Backend:
         if self.is_sqlite:
             return literal_column(f"(strftime('%Y-%m-%d %H:%M:%f', 'now', '{s} seconds') || '000')")
         return literal_column(f"(clock_timestamp() + interval '{s} seconds')")
+
+    def seconds_since(self, column: Any) -> ColumnElement[Any]:
+        """Seconds from a stored timestamp to the database clock, as a float, in SQL."""
+        if self.is_sqlite:
+            return (func.julianday("now") - func.julianday(column)) * 86400.0
+        return func.extract("epoch", literal_column("clock_timestamp()") - column)
 
     def insert(self, table: Any) -> Any:
         """An INSERT that supports ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""

@@ -38,6 +38,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     select,
     tuple_,
     update,
@@ -494,18 +495,73 @@ def expire(conn: Connection, b: Backend, qid: int, max_attempts: int) -> int:
 
     Only claimed rows are scanned (partial index). The row keeps ``worker_id``, the last holder,
     which the event records too, so the audit shows who held an item before a crash."""
+    return _give_back(conn, b, qid, [items.c.lease_until < b.now()], max_attempts, "lease expired")
+
+
+def _give_back(conn: Connection, b: Backend, qid: int, where: list[Any], max_attempts: int,
+               why: str) -> int:
+    """Claimed items matching ``where`` go back to the queue (or fail, at ``max_attempts``), an
+    attempt each, with an ``expire`` event saying ``why``. Rows another transaction has locked
+    (an ack in flight) are skipped: that transaction decides their fate."""
     state = _after_attempt(max_attempts)
-    locked = (select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED,
-                                       items.c.lease_until < b.now())
+    locked = (select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED, *where)
               .with_for_update(skip_locked=True).cte("x").prefix_with("MATERIALIZED"))
     rows = conn.execute(
         update(items).where(items.c.id == locked.c.id)
         .values(state=state, attempts=items.c.attempts + 1, token=None, lease_until=None,
-                last_error="lease expired", done_at=case((state == FAILED, b.now()), else_=None))
+                last_error=why, done_at=case((state == FAILED, b.now()), else_=None))
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.worker_id)).all()
-    _log(conn, b, qid, EV_EXPIRE, rows, detail="lease expired")
+    _log(conn, b, qid, EV_EXPIRE, rows, detail=why)
     _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed")
     return len(rows)
+
+
+# A worker whose last heartbeat is this many of its own heartbeat periods old is stale: its items
+# go back to the queue without waiting for their lease (and its identity may be taken over).
+STALE_BEATS = 3
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Another worker of the queue that holds claimed items and may be gone: it runs on the
+    caller's host (whose process table tells at once) or its heartbeat is stale."""
+    id: int
+    name: str
+    host: str
+    pid: int
+    proc_start: Optional[int]
+    incarnation: str
+    age: float             # seconds since its last heartbeat
+    stale: bool            # older than STALE_BEATS of its own beats
+    held: int
+
+
+def holders_to_check(conn: Connection, b: Backend, qid: int, me: int, host: str) -> list[Holder]:
+    """The other workers holding items that are stale or on ``host``: a read, one statement."""
+    age = b.seconds_since(workers.c.heartbeat_at)
+    stale = and_(workers.c.beat_seconds.is_not(None), age > STALE_BEATS * workers.c.beat_seconds)
+    held = (select(func.count()).where(items.c.queue_id == qid, items.c.worker_id == workers.c.id,
+                                       items.c.state == CLAIMED).scalar_subquery())
+    rows = conn.execute(
+        select(workers.c.id, workers.c.name, workers.c.host, workers.c.pid, workers.c.proc_start,
+               workers.c.incarnation, age.label("age"), case((stale, True), else_=False).label("stale"),
+               held.label("held"))
+        .where(workers.c.queue_id == qid, workers.c.id != me, workers.c.heartbeat_at.is_not(None),
+               or_(workers.c.host == host, stale))).all()
+    return [Holder(r.id, r.name, r.host, r.pid, r.proc_start, r.incarnation, float(r.age), bool(r.stale),
+                   int(r.held)) for r in rows if r.held]
+
+
+def give_back_held(conn: Connection, b: Backend, qid: int, h: Holder, max_attempts: int, why: str,
+                   *, dead: bool) -> int:
+    """Return the items ``h`` holds to the queue, if that worker is still the same incarnation
+    and still gone (``dead``: its process is known dead; else its heartbeat must still be
+    stale, re-checked in this transaction). Returns how many."""
+    gone = [workers.c.id == h.id, workers.c.incarnation == h.incarnation, workers.c.heartbeat_at.is_not(None)]
+    if not dead:
+        gone.append(b.seconds_since(workers.c.heartbeat_at) > STALE_BEATS * workers.c.beat_seconds)
+    return _give_back(conn, b, qid, [items.c.worker_id == h.id, select(workers.c.id).where(*gone).exists()],
+                      max_attempts, why)
 
 
 def renew(conn: Connection, b: Backend, worker_id: int, incarnation: str, tokens: Sequence[int],
@@ -540,31 +596,26 @@ def find_worker(conn: Connection, qid: int, name: str, lock: bool) -> Optional[A
 
 def heartbeat_age(conn: Connection, b: Backend, worker_id: int) -> Optional[float]:
     """Seconds since the worker's last heartbeat, by the database clock (None: closed cleanly)."""
-    hb = conn.execute(select(workers.c.heartbeat_at).where(workers.c.id == worker_id)).scalar_one()
-    if hb is None:
-        return None
-    now = conn.execute(select(b.now())).scalar_one()
-    if isinstance(now, str):  # SQLite's text clock
-        import datetime as dt
-
-        now = dt.datetime.fromisoformat(now).replace(tzinfo=dt.timezone.utc)
-    return (now - hb).total_seconds()
+    age = conn.execute(select(b.seconds_since(workers.c.heartbeat_at))
+                       .where(workers.c.id == worker_id)).scalar_one()
+    return None if age is None else float(age)
 
 
 def insert_worker(conn: Connection, b: Backend, qid: int, name: str, incarnation: str, host: str,
-                  pid: int, proc_start: Optional[int]) -> Optional[int]:
+                  pid: int, proc_start: Optional[int], beat_seconds: float) -> Optional[int]:
     return conn.execute(
         b.insert(workers).values(queue_id=qid, name=name, incarnation=incarnation, host=host, pid=pid,
-                                 proc_start=proc_start, started_at=b.now(), heartbeat_at=b.now())
+                                 proc_start=proc_start, started_at=b.now(), heartbeat_at=b.now(),
+                                 beat_seconds=beat_seconds)
         .on_conflict_do_nothing(index_elements=["queue_id", "name"]).returning(workers.c.id)
     ).scalar_one_or_none()
 
 
 def take_over_worker(conn: Connection, b: Backend, worker_id: int, incarnation: str, host: str,
-                     pid: int, proc_start: Optional[int]) -> None:
+                     pid: int, proc_start: Optional[int], beat_seconds: float) -> None:
     conn.execute(update(workers).where(workers.c.id == worker_id).values(
         incarnation=incarnation, host=host, pid=pid, proc_start=proc_start,
-        started_at=b.now(), heartbeat_at=b.now()))
+        started_at=b.now(), heartbeat_at=b.now(), beat_seconds=beat_seconds))
 
 
 def close_worker(conn: Connection, worker_id: int, incarnation: str) -> None:

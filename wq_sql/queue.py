@@ -4,6 +4,7 @@ items and the heartbeat thread. Statements live in ``wq_sql.ops``."""
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import random
@@ -43,6 +44,7 @@ from wq_sql.identity import (
     process_alive,
     process_start,
 )
+from wq_sql.liveness import why_gone
 from wq_sql.migrate import ensure_schema
 from wq_sql.mismatch import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 from wq_sql.pacer import JustInTime, Pace
@@ -383,7 +385,8 @@ class WorkQueue:
         b = self._backend
 
         def attempt(c: Connection) -> tuple[str, Any]:
-            wid = ops.insert_worker(c, b, self._qid, self.worker, self._incarnation, host, pid, start)
+            wid = ops.insert_worker(c, b, self._qid, self.worker, self._incarnation, host, pid, start,
+                                   self.heartbeat_seconds)
             if wid is not None:
                 return "ok", (wid, [])
             row = ops.find_worker(c, self._qid, self.worker, lock=True)
@@ -397,7 +400,7 @@ class WorkQueue:
                     age = ops.heartbeat_age(c, b, row.id)
                     if age is not None and age < self.dead_after:
                         return "wait", row
-            ops.take_over_worker(c, b, row.id, self._incarnation, host, pid, start)
+            ops.take_over_worker(c, b, row.id, self._incarnation, host, pid, start, self.heartbeat_seconds)
             return "ok", (row.id, ops.recover(c, b, self._qid, row.id, self.lease_seconds,
                                               self.max_attempts))
 
@@ -916,10 +919,30 @@ class WorkQueue:
             return
         if time.monotonic() < self._no_expire_until:
             return
+        gone = self._give_back_gone()
         n = self._tx(lambda c: ops.expire(c, b, self._qid, self.max_attempts))
         if n:
             log.info("queue %r: %d item(s) whose lease expired went back to the queue", self.name, n)
+        if n or gone:
             self.wake()
+
+    def _give_back_gone(self) -> int:
+        """Return the items of workers that are gone (dead on this host, or not heartbeating:
+        :mod:`wq_sql.liveness`) to the queue, without waiting for their leases."""
+        b, host = self._backend, hostname()
+        holders = self._tx(lambda c: ops.holders_to_check(c, b, self._qid, self._worker_id, host), read=True)
+        total = 0
+        for h in holders:
+            gone = why_gone(h, host)
+            if gone is None:
+                continue
+            why, dead = gone
+            n = self._tx(functools.partial(ops.give_back_held, b=b, qid=self._qid, h=h,
+                                           max_attempts=self.max_attempts, why=why, dead=dead))
+            if n:
+                log.warning("queue %r: %s; the %d item(s) it held went back to the queue", self.name, why, n)
+            total += n
+        return total
 
 
 def _heartbeat_loop(ref: weakref.ref[WorkQueue], stop: threading.Event) -> None:
