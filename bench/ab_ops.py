@@ -1,5 +1,6 @@
 """Same-run A/B of two versions of ``wq_sql/ops.py`` on SQLite: the SQLite claim round
-(``ClaimRound``) and the bulk insert of queue creation (``_insert_chunked``), swapped in one process.
+(``ClaimRound``, in ``wq_sql/claim.py`` since the structure step: pass that file's older version
+as ``--claim``) and the bulk insert of queue creation (``_insert_chunked``), swapped in one process.
 
     git show 039d4dd:wq_sql/ops.py > /tmp/ops_before.py
     .venv/bin/python bench/ab_ops.py /tmp/ops_before.py
@@ -19,26 +20,36 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import scratch  # noqa: E402
 
 import wq_sql  # noqa: E402
+import wq_sql.claim as new_claim  # noqa: E402
 import wq_sql.ops as new_ops  # noqa: E402
 from wq_sql import WorkQueue  # noqa: E402
+
+
+def _load(name: str, path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("before", help="path of the older ops.py")
+    ap.add_argument("--claim", help="path of the older claim.py (where ClaimRound lives since the "
+                                    "structure step); default: ClaimRound of the older ops.py")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    spec = importlib.util.spec_from_file_location("ops_before", a.before)
-    assert spec is not None and spec.loader is not None
-    old = importlib.util.module_from_spec(spec)
-    sys.modules["ops_before"] = old
-    spec.loader.exec_module(old)
-    rounds = {"before": old.ClaimRound, "after": new_ops.ClaimRound}
+    old = _load("ops_before", a.before)
+    old_round = _load("claim_before", a.claim).ClaimRound if a.claim else old.ClaimRound
+    rounds = {"before": old_round, "after": new_claim.ClaimRound}
     inserts = {"before": old._insert_chunked, "after": new_ops._insert_chunked}
     res: dict[tuple[str, str], list[float]] = {}
     with scratch("sqlite", tag="ab") as url:
@@ -46,7 +57,7 @@ def main(argv: list[str]) -> int:
         for rep in range(a.repeats):
             for la in (1, 32):
                 for v in (("before", "after") if rep % 2 == 0 else ("after", "before")):
-                    new_ops.ClaimRound = rounds[v]  # type: ignore[misc]
+                    new_claim.ClaimRound = rounds[v]  # type: ignore[misc]
                     wq = WorkQueue.attach(url=url, worker=f"{v}{la}-{rep}", lease_ahead=la)
                     n, t = 0, time.perf_counter()
                     while time.perf_counter() - t < 1.5:
@@ -54,7 +65,7 @@ def main(argv: list[str]) -> int:
                         n += 1
                     res.setdefault((f"take lease_ahead={la}", v), []).append(n / (time.perf_counter() - t))
                     wq.close()
-    new_ops.ClaimRound = rounds["after"]  # type: ignore[misc]
+    new_claim.ClaimRound = rounds["after"]  # type: ignore[misc]
     works = [f"s3://bucket/dataset/part-{i:07d}.parquet" for i in range(200_000)]
     for rep in range(a.repeats):
         for v in (("before", "after") if rep % 2 == 0 else ("after", "before")):

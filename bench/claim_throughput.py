@@ -10,7 +10,7 @@ three alike):
                that acks the previous batch (fenced by id and token) and claims the next n (the
                same ``SKIP LOCKED`` CTE on Postgres, the same statement under ``BEGIN IMMEDIATE``
                on SQLite) and reads their work strings; no audit events, no counters.
-* ``raw_same`` wq_sql's own round (``ops.ClaimRound``: + events and per-worker counters) issued
+* ``raw_same`` wq_sql's own round (``claim.ClaimRound``: + events and per-worker counters) issued
                through the raw driver: the gap to ``wq_sql`` is the library's Python overhead, the
                gap between ``raw`` and ``raw_same`` is the price of the audit trail.
 
@@ -61,8 +61,9 @@ from _common import (  # noqa: E402
 )
 
 from wq_sql import WorkQueue  # noqa: E402
-from wq_sql.engine import Backend, resolve_url  # noqa: E402
-from wq_sql.ops import ClaimRound  # noqa: E402
+from wq_sql.claim import ClaimRound  # noqa: E402
+from wq_sql.dialects import Dialect  # noqa: E402
+from wq_sql.engine import resolve_url  # noqa: E402
 
 QUEUE = "bench"
 VARIANTS = ("wq_sql", "raw", "raw_same")
@@ -128,7 +129,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         qid = cur.fetchone()[0]
         wid = _raw_worker_id(cur, qid, name, True)
         conn.commit()
-        sql = _pg_raw_sql(n) if variant == "raw" else ClaimRound(Backend("postgresql"), n, 60.0)._sql
+        sql = _pg_raw_sql(n) if variant == "raw" else ClaimRound(Dialect("postgresql"), n, 60.0)._sql
         acks: list[tuple[int, int]] = []
         ready.set()
         go.wait()
@@ -166,7 +167,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
     qid = cur.execute("SELECT id FROM wq_queues WHERE name = ?", (QUEUE,)).fetchone()[0]
     wid = _raw_worker_id(cur, qid, name, False)
     cur.execute("COMMIT")
-    rnd = ClaimRound(Backend("sqlite"), n, 60.0)
+    rnd = ClaimRound(Dialect("sqlite"), n, 60.0)
     claim = _sq_claim(n)
     acks = []
     ready.set()
@@ -207,7 +208,7 @@ def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float,
     t0, c0 = time.perf_counter(), time.thread_time()
     try:
         while time.perf_counter() - t0 < seconds:
-            trip = not wq._buffer  # this take() goes to the database
+            trip = wq.buffered == 0  # this take() goes to the database
             t = time.perf_counter()
             wq.take()
             if trip:

@@ -185,16 +185,16 @@ def cmd_create(a: argparse.Namespace) -> None:
 
 def _drain_child(url: str, i: int, la: int, full_scan_every: int, ready: Any, go: Any, out: Any) -> None:
     if full_scan_every:
-        from wq_sql import ops
+        from wq_sql.claim import ClaimRound
 
-        ops.ClaimRound.FULL_SCAN_EVERY = full_scan_every  # 1: every claim scans from the start (no floor)
+        ClaimRound.FULL_SCAN_EVERY = full_scan_every  # 1: every claim scans from the start (no floor)
     wq = WorkQueue.attach(QUEUE, url=url, worker=f"d{i}", lease_ahead=la)
     rec: list[tuple[float, float, int]] = []  # (wall clock at the start, seconds, epoch of the item)
     ready.set()
     go.wait()
     n = 0
     while True:
-        trip = not wq._buffer
+        trip = wq.buffered == 0
         t, w = time.perf_counter(), time.time()
         try:
             item = wq.take()

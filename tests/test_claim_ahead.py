@@ -27,15 +27,14 @@ def states(url: str) -> collections.Counter[str]:
 
 
 def record_rounds(wq: WorkQueue) -> list[tuple[float, str]]:
-    """(time, thread name) of every claim round the queue object runs from now on."""
+    """(time, thread name) of every transaction the queue object runs from now on: each takes a
+    connection from its engine's pool (claim rounds included)."""
     rounds: list[tuple[float, str]] = []
-    run = wq._round.run
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
+    def recorded(*args: Any) -> None:
         rounds.append((time.monotonic(), threading.current_thread().name))
-        return run(*args, **kwargs)
 
-    wq._round.run = recorded  # type: ignore[method-assign]
+    sa.event.listen(wq.engine, "checkout", recorded)
     return rounds
 
 
@@ -53,7 +52,7 @@ def test_take_finds_the_next_item_claimed_just_in_time(db_url: str) -> None:
     # in the background during the step.
     assert in_take[0], "the first take() claims itself"
     assert in_take[3:] == [[]] * 7, in_take
-    assert sum(1 for r in rounds if r[1].startswith("wq_sql-claim-ahead")) >= 7
+    assert sum(1 for r in rounds if r[1].startswith("wq_sql-refill")) >= 7
     # At most one item claimed ahead: claimed = the one in hand + the one just claimed.
     assert states(db_url)["claimed/0"] <= 2
     wq.close()
@@ -107,8 +106,6 @@ def test_an_idle_worker_polls_at_its_own_pace(db_url: str) -> None:
         a.take()
         time.sleep(0.02)
     last = b.take()
-    a._acks.update(a._out)  # hand a's items in with its next round trip
-    a._out.clear()
     ended = []
 
     def wait_for_end() -> None:

@@ -291,8 +291,16 @@ got = []
 taker = threading.Thread(target=lambda: got.append(wq.take()), daemon=True)
 taker.start()
 deadline = time.monotonic() + 30
-while wq._lock.acquire(blocking=False):  # the thread is not blocked inside take() yet
-    wq._lock.release()
+def inside_take() -> bool:
+    frame = sys._current_frames().get(taker.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "_fill":  # take()'s round trip, which the test's lock blocks
+            return True
+        frame = frame.f_back
+    return False
+
+
+while not inside_take():  # the thread is not blocked inside take() yet
     assert time.monotonic() < deadline, "the taking thread never got in"
     time.sleep(0.01)
 print("FORKING", flush=True)  # SQLite: fork() waits for the thread's transaction to end

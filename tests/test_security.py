@@ -86,8 +86,8 @@ def test_library_never_shows_the_password(db_url: str, debug_logs: pytest.LogCap
             many = wq.take_many(2)
             wq.prefetch()
             progress = wq.progress()
-            seen += [repr(wq), str(wq), repr(first), repr(many), repr(progress), repr(wq._url), str(wq._url),
-                     repr(wq._engine)]
+            seen += [repr(wq), str(wq), repr(first), repr(many), repr(progress), repr(wq.engine.url),
+                     str(wq.engine.url), repr(wq.engine)]
             expect(QueueConfigMismatch, WorkQueue, ["other"], name="train", url=url, worker="w2")
             expect(wq_sql.WorkerConflict, WorkQueue.attach, "train", url=url, worker="w1")
             for _ in wq:

@@ -18,7 +18,7 @@ def test_claims_do_not_checkpoint_the_heartbeat_does(tmp_path: Path) -> None:
     db = tmp_path / "q.db"
     with WorkQueue([f"w{i}" for i in range(3000)], url=f"sqlite:///{db}", lease_ahead=8,
                    heartbeat_seconds=5) as wq:
-        with wq._engine.connect() as c:
+        with wq.engine.connect() as c:
             assert c.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
         time.sleep(1.5)  # the creation's pages reach the database file
         before = db.stat().st_mtime_ns

@@ -10,14 +10,18 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.engine import URL
 
 from wq_sql import migrate, ops
-from wq_sql.engine import Backend, make_engine, opening, resolve_url
+from wq_sql.dialects import dialect_of
+from wq_sql.engine import make_engine, opening, resolve_url
 from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
 from wq_sql.mismatch import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 from wq_sql.plan import (
     QueueSpec,
     Work,
+    check_count,
+    check_name,
     check_num_epochs,
     check_num_slices,
+    check_prefix,
     check_seed,
     check_text,
     new_seed,
@@ -90,16 +94,14 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
     Example: ``create_queue(["a.txt", "b.txt"], num_epochs=2, seed=7, name="train",
     url="sqlite:///q.db")``.
     """
-    from wq_sql.queue import _check_count, _check_name, _check_prefix  # the facade's rules
-
-    name = _lookup_name(_check_name(name))
+    name = _lookup_name(check_name(name))
     spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
-                     check_seed(seed), check_num_slices(num_slices), _check_prefix(prefix))
+                     check_seed(seed), check_num_slices(num_slices), check_prefix(prefix))
     if max_attempts is not None:
-        _check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
+        check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
     engine = _engine(url, schema)
     try:
-        b = Backend(engine.dialect.name)
+        b = dialect_of(engine)
         with opening(engine.url):
             migrate.ensure_schema(engine, schema)
             with engine.connect() as conn:

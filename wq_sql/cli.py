@@ -64,8 +64,9 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from wq_sql import admin, migrate, ops, report
-from wq_sql.engine import Backend, make_engine, mask_secrets, opening, resolve_url, safe_url
+from wq_sql.dialects import Dialect, dialect_of
 from wq_sql.engine import first_line as _first_line
+from wq_sql.engine import make_engine, mask_secrets, opening, resolve_url, safe_url
 from wq_sql.errors import DatabaseUnavailable, QueueNotFound, SchemaOutdated, WqSqlError
 from wq_sql.sources import source_for
 from wq_sql.states import CLAIMED, DONE, FAILED
@@ -199,13 +200,8 @@ def _confirm(args: argparse.Namespace, what: str) -> None:
     raise CliError(f"refusing to {what} without confirmation; add --yes")
 
 
-def _db_now(conn: Connection, b: Backend) -> dt.datetime:
-    now = conn.execute(select(b.now())).scalar_one()
-    if isinstance(now, str):  # SQLite's text clock
-        now = dt.datetime.fromisoformat(now)
-    if now.tzinfo is None:
-        now = now.replace(tzinfo=dt.timezone.utc)
-    return now
+def _db_now(conn: Connection, b: Dialect) -> dt.datetime:
+    return b.db_now(conn)
 
 
 def _ago(now: dt.datetime, then: dt.datetime) -> str:
@@ -459,7 +455,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
     url = _url(args)
     with _checked_engine(args, url) as engine:
-        b = Backend(engine.dialect.name)
+        b = dialect_of(engine)
 
         def frame() -> tuple[list[str], StatusSummary]:
             return _snapshot(engine, lambda conn: _status(conn, b, url, args.schema, args.name))
@@ -523,7 +519,7 @@ def _rate_eta(s: StatusSummary) -> str:
     return f"{rate}  ETA {dt.timedelta(seconds=round(seconds))}"
 
 
-def _status(conn: Connection, b: Backend, url: URL, schema: Optional[str],
+def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
             name: str) -> tuple[list[str], StatusSummary]:
     q = _find_queue(conn, url, name)
     t, i, w = ops.tallies, ops.items, ops.workers
@@ -727,7 +723,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         raise CliError(f"--epoch must be an epoch number from 0 (the first) to 2**62 - 1, got {args.epoch}")
     url = _url(args)
     engine, rev = _engine(args, must_exist=True)
-    b = Backend(engine.dialect.name)
+    b = dialect_of(engine)
     if args.failed:
         from_state, what = FAILED, "failed"
     elif args.done:

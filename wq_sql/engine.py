@@ -15,15 +15,14 @@ import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from sqlalchemy import Engine, create_engine, event, func, literal_column
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.sql.elements import ColumnElement
 
+from wq_sql.dialects import dialect_of
 from wq_sql.errors import DatabaseUnavailable, InvalidInput, UnsafeDatabase
 
 DEFAULT_SQLITE_FILE = "wq_sql.db"
@@ -187,44 +186,6 @@ def check_sqlite_path(url: URL) -> None:
             "(WQ_SQL_URL=postgresql://...) for workers on several machines.")
 
 
-@dataclass(frozen=True)
-class Backend:
-    """What differs between SQLite and Postgres, kept in one small place."""
-
-    name: str  # "sqlite" or "postgresql"
-
-    @property
-    def is_sqlite(self) -> bool:
-        return self.name == "sqlite"
-
-    def now(self) -> ColumnElement[Any]:
-        """The database clock, as a value comparable to stored timestamps.
-
-        SQLite's text timestamps compare as strings, so the format must match SQLAlchemy's
-        storage format exactly (microseconds, six digits)."""
-        if self.is_sqlite:
-            return literal_column("(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')")
-        return literal_column("clock_timestamp()")
-
-    def now_plus(self, seconds: float) -> ColumnElement[Any]:
-        s = repr(float(seconds))  # a float we produced, never user text
-        if self.is_sqlite:
-            return literal_column(f"(strftime('%Y-%m-%d %H:%M:%f', 'now', '{s} seconds') || '000')")
-        return literal_column(f"(clock_timestamp() + interval '{s} seconds')")
-
-    def seconds_since(self, column: Any) -> ColumnElement[Any]:
-        """Seconds from a stored timestamp to the database clock, as a float, in SQL."""
-        if self.is_sqlite:
-            return (func.julianday("now") - func.julianday(column)) * 86400.0
-        return func.extract("epoch", literal_column("clock_timestamp()") - column)
-
-    def insert(self, table: Any) -> Any:
-        """An INSERT that supports ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
-        from sqlalchemy.dialects import postgresql, sqlite
-
-        return sqlite.insert(table) if self.is_sqlite else postgresql.insert(table)
-
-
 def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float = 30.0,
                 statement_timeout: float = 60.0, startup_options: bool = True,
                 pool_size: int = 2, autocheckpoint: bool = True,
@@ -307,9 +268,10 @@ def driver_transaction(engine: Engine) -> Iterator[Any]:
         gone = dialect.is_disconnect(e, None, None)
         raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
     conn: Any = fairy.dbapi_connection
+    begin = dialect_of(engine).begin_write
     try:
-        if dialect.name == "sqlite":
-            conn.execute("BEGIN IMMEDIATE")
+        if begin:
+            conn.execute(begin)
         yield conn
         conn.commit()
     except BaseException as e:

@@ -1,6 +1,6 @@
 """Who makes a queue's next epoch, and when: the worker that claims an epoch's first item, in a
 background thread, a chunk of rows per transaction (the rows themselves: ``ops.advance_epoch``).
-One :class:`EpochMaker` per :class:`wq_sql.WorkQueue` object."""
+One :class:`EpochMaker` per queue object; it knows how many epochs are complete (``created``)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ import functools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from sqlalchemy import Connection
 
 from wq_sql import ops
+from wq_sql.db import Db
 from wq_sql.plan import epoch_order
-
-if TYPE_CHECKING:
-    from wq_sql.queue import WorkQueue
 
 log = logging.getLogger("wq_sql")
 
@@ -27,13 +25,27 @@ log = logging.getLogger("wq_sql")
 MAKER_PAUSE, MAKER_PAUSE_MIN = 9.0, 0.01
 
 
-class EpochMaker:
-    """Makes the epochs of one queue object: after a claim (:meth:`after_claim`), in a background
-    thread, or from ``take()`` when nothing is pending (:meth:`make`). It keeps the queue's
-    ``_epochs_created`` up to date; the queue holds it, it holds the queue weakly."""
+@dataclass(frozen=True)
+class Order:
+    """What an epoch's permutation depends on (``plan.epoch_order``)."""
 
-    def __init__(self, queue: WorkQueue) -> None:
-        self._queue = weakref.ref(queue)
+    qid: int
+    items_per_epoch: int
+    shuffle: bool
+    seed: int
+
+
+class EpochMaker:
+    """Makes the epochs of one queue: after a claim (:meth:`after_claim`), in a background
+    thread, or from ``take()`` when nothing is pending (:meth:`make`). ``created`` is the number
+    of complete epochs as last seen; ``num_epochs()`` the queue's current count (it may grow);
+    ``made()`` is called after each chunk, so a take waiting for rows claims them at once."""
+
+    def __init__(self, db: Db, order: Order, created: int, num_epochs: Callable[[], int],
+                 made: Callable[[], None], label: str) -> None:
+        self.db, self.order, self.created = db, order, created
+        self.chunk = db.dialect.epoch_chunk
+        self._num_epochs, self._made, self._label = num_epochs, made, label
         self._thread: Optional[threading.Thread] = None
         self._making: Optional[tuple[int, Sequence[int]]] = None  # (epoch, its order) being made here
         self._up_to = -1  # the background maker makes epochs up to this one
@@ -51,14 +63,13 @@ class EpochMaker:
     def soon(self, epoch: int) -> None:
         """Make epochs up to ``epoch`` in a background thread (one per queue object). If it
         fails or stops, ``take()`` makes what is missing once nothing else is pending."""
-        queue = self._queue()
-        if queue is None or epoch >= queue.num_epochs:
+        if epoch >= self._num_epochs():
             return
         self._up_to = max(self._up_to, epoch)
         t = self._thread
         if t is not None and t.is_alive():
             return
-        self._thread = threading.Thread(target=self._run, name=f"wq_sql-next-epoch-{queue.name}",
+        self._thread = threading.Thread(target=self._run, name=f"wq_sql-next-epoch-{self._label}",
                                         daemon=True)
         self._thread.start()
 
@@ -74,14 +85,11 @@ class EpochMaker:
         self._thread = None
 
     def _run(self) -> None:
-        queue = self._queue()
-        if queue is None:
-            return
         try:
             self.make(background=True)
         except Exception as e:  # take() makes the epoch itself when it needs it
             log.warning("queue %r: making the next epoch in the background failed (%s: %s); take() "
-                        "will make it when it needs it", queue.name, type(e).__name__, str(e)[:200])
+                        "will make it when it needs it", self._label, type(e).__name__, str(e)[:200])
 
     def make(self, *, background: bool = False) -> bool:
         """Make the next epoch, ``epoch_chunk`` rows per transaction (``ops.advance_epoch``), so
@@ -94,22 +102,20 @@ class EpochMaker:
         leaves an epoch that another worker started to that worker. From ``take()`` with nothing
         pending: one chunk of the next epoch, whoever started it (its maker may have died), then
         the rest in the background."""
-        q = self._queue()
-        if q is None:
-            return False
-        qid = q._qid
+        db, o = self.db, self.order
+        qid = o.qid
         made_rows = False
-        while q._epochs_created < q.num_epochs and not self._leaving.is_set():
-            have = q._epochs_created
+        while self.created < self._num_epochs() and not self._leaving.is_set():
+            have = self.created
             if background and have > self._up_to:
                 return made_rows
             making = self._making  # one read: the background maker may reset it meanwhile
             if making is None or making[0] != have:
                 # Not ours yet: look before computing the order (O(n) Python). Once it is ours,
                 # ops.advance_epoch's own checks suffice (None: made meanwhile, or locked).
-                created, made = q._tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
+                created, made = db.tx(functools.partial(_epoch_state, qid=qid, epoch=have), read=True)
                 if created != have:
-                    q._epochs_created = created
+                    self.created = created
                     if not background:
                         return True
                     continue
@@ -118,24 +124,24 @@ class EpochMaker:
                         return made_rows  # another worker is making it
                     self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
                     continue
-                order: Sequence[int] = epoch_order(q.items_per_epoch, have, q.shuffle, q.seed)
+                order: Sequence[int] = epoch_order(o.items_per_epoch, have, o.shuffle, o.seed)
                 self._making = (have, order)
             else:
                 order = making[1]
             t = time.monotonic()
-            new = q._tx(functools.partial(ops.advance_epoch, qid=qid, have=have, chunk=q.epoch_chunk,
+            new = db.tx(functools.partial(ops.advance_epoch, qid=qid, have=have, chunk=self.chunk,
                                           order=order))
             if new is None:  # another worker holds the queue row (Postgres) or completed the epoch
-                created = q._tx(lambda c: ops.epochs_created(c, qid), read=True)
-                changed = created != q._epochs_created
-                q._epochs_created = created
+                created = db.tx(lambda c: ops.epochs_created(c, qid), read=True)
+                changed = created != self.created
+                self.created = created
                 if not background or not changed:
                     return made_rows or changed
                 continue
             made_rows = True
-            q.wake()  # a take() of this process waiting for rows claims them now
+            self._made()  # a take() of this process waiting for rows claims them now
             if new > have:
-                q._epochs_created = new
+                self.created = new
                 self._making = None
                 if not background:
                     return True

@@ -20,11 +20,10 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.exc import DBAPIError
 
+from wq_sql.dialects import dialect_of
 from wq_sql.engine import safe_url
 from wq_sql.errors import SchemaOutdated
 
-# Any constant fits; it names "the wq_sql migration lock" among a database's advisory locks.
-_PG_LOCK_KEY = 0x77715F73716C  # "wq_sql"
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 
 
@@ -70,9 +69,7 @@ def current_revision(conn: Connection, schema: Optional[str] = None) -> Optional
 
 
 def _lock(conn: Connection) -> None:
-    if conn.dialect.name == "postgresql":
-        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
-    # SQLite: the transaction began with BEGIN IMMEDIATE, which already excludes other writers.
+    dialect_of(conn).lock_for_migration(conn)
 
 
 def _upgrade_locked(conn: Connection, schema: Optional[str]) -> None:

@@ -22,18 +22,14 @@ row (the second one waits, then sees the first one's committed update).
 from __future__ import annotations
 
 import secrets
-import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
 from sqlalchemy import (
     Connection,
-    Integer,
     Table,
-    Text,
     and_,
-    bindparam,
     case,
     func,
     insert,
@@ -43,12 +39,9 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy import cast as sql_cast
-from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Select
 
-from wq_sql.engine import Backend
+from wq_sql.dialects import Dialect, dialect_of
 from wq_sql.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
 from wq_sql.plan import PlannedItem, QueueSpec, epoch_order
 from wq_sql.states import (
@@ -56,7 +49,6 @@ from wq_sql.states import (
     CK_SAVE,
     CLAIMED,
     DONE,
-    EV_CLAIM,
     EV_DONE,
     EV_EXPIRE,
     EV_FAIL,
@@ -77,10 +69,6 @@ checkpoints = cast(Table, CheckpointRecord.__table__)
 
 INSERT_CHUNK = 10_000
 EPOCH_CHUNK = 1_000_000  # item rows per INSERT ... SELECT of an epoch
-# Rows per transaction when a worker makes the next epoch (epochs.EpochMaker.make): a few ms
-# of SQLite's write lock, a few MB of Postgres WAL.
-EPOCH_CHUNK_SQLITE = 2_000
-EPOCH_CHUNK_PG = 10_000
 
 
 def new_token() -> int:
@@ -110,7 +98,7 @@ def find_queue_by_id(conn: Connection, qid: int) -> Any:
     return conn.execute(select(queues).where(queues.c.id == qid)).one()
 
 
-def create_queue(conn: Connection, b: Backend, name: str, spec: QueueSpec, works: Sequence[PlannedItem],
+def create_queue(conn: Connection, b: Dialect, name: str, spec: QueueSpec, works: Sequence[PlannedItem],
                  seed: int, max_attempts: int) -> Optional[int]:
     """Insert the queue, the works of one epoch (``spec.works`` after slicing) and epoch 0;
     ``None`` if a queue of that name exists.
@@ -155,15 +143,7 @@ def insert_epoch_rows(conn: Connection, qid: int, epoch: int, order: Sequence[in
     in one statement: the slice goes to the server as one array parameter (Postgres ``unnest ...
     WITH ORDINALITY``, SQLite ``json_each``), so a million rows cost no per-row Python objects or
     parameter sets."""
-    text = ",".join(map(str, order[start:end]))
-    if conn.dialect.name == "postgresql":
-        arr = sql_cast(bindparam("order", "{" + text + "}", type_=Text), ARRAY(Integer))
-        rows = func.unnest(arr).table_valued("idx", with_ordinality="ord").render_derived()
-        pos, idx = rows.c.ord - 1, rows.c.idx
-    else:
-        js = bindparam("order", "[" + text + "]", type_=Text)
-        rows = func.json_each(js).table_valued("key", "value")
-        pos, idx = rows.c.key, rows.c.value
+    rows, pos, idx = dialect_of(conn).int_rows(",".join(map(str, order[start:end])))
     conn.execute(insert(items).from_select(
         ["queue_id", "epoch", "seq", "work_idx", "state", "attempts"],
         select(literal(qid), literal(epoch), pos + start, idx, literal(PENDING), literal(0))
@@ -239,7 +219,7 @@ def works_by_idx(conn: Connection, qid: int, idxs: Sequence[int]) -> dict[int, s
 # ---------------------------------------------------------------- events and counters
 
 
-def _log(conn: Connection, b: Backend, qid: int, kind: str, rows: Iterable[Any],
+def _log(conn: Connection, b: Dialect, qid: int, kind: str, rows: Iterable[Any],
          worker_id: Optional[int] = None, detail: Optional[str] = None) -> None:
     batch = [{"queue_id": qid, "item_id": r.id, "epoch": r.epoch, "seq": r.seq, "kind": kind,
               "worker_id": worker_id if worker_id is not None else r.worker_id,
@@ -248,7 +228,7 @@ def _log(conn: Connection, b: Backend, qid: int, kind: str, rows: Iterable[Any],
         conn.execute(insert(events).values(at=b.now()), batch)
 
 
-def _tally(conn: Connection, b: Backend, qid: int, rows: Iterable[Any], column: str,
+def _tally(conn: Connection, b: Dialect, qid: int, rows: Iterable[Any], column: str,
            worker_id: Optional[int] = None) -> None:
     counts: dict[tuple[int, int], int] = {}
     for r in rows:
@@ -262,177 +242,7 @@ def _tally(conn: Connection, b: Backend, qid: int, rows: Iterable[Any], column: 
         conn.execute(stmt)
 
 
-# ---------------------------------------------------------------- claim and ack
-
-
-_NOW_SQLITE = "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
-_LATER_SQLITE = "(strftime('%Y-%m-%d %H:%M:%f', 'now', ?) || '000')"
-
-
-class ClaimRound:
-    """The hot path, one round trip per ``take()`` that needs the database: acknowledge the
-    items finished since the last round and claim up to ``n`` new ones, with their events,
-    counters and work strings. Built once per queue object as driver-level SQL.
-
-    Postgres runs it as ONE statement (data-modifying CTEs; the claim CTE is the one described in
-    the module docstring, starting at a floor: see ``_floor``; rarely a second one, without
-    acks). SQLite runs the same steps as separate statements inside the ``BEGIN IMMEDIATE``
-    transaction: statements are in-process calls there, not network trips."""
-
-    FULL_SCAN_EVERY = 64  # rounds; see _floor
-
-    def __init__(self, b: Backend, n: int, lease_seconds: float, schema: Optional[str] = None) -> None:
-        self.b, self.n, self.lease = b, n, float(lease_seconds)
-        # Postgres: the lowest (epoch, seq) this worker claimed last round. Claimed and done rows
-        # leave dead entries in the pending index until VACUUM, all at its low end (claims go in
-        # order), and a scan from the start steps over every one of them: at 90% of a 300k drain,
-        # a thousand index pages per claim. So the claim starts at the floor (one index descent),
-        # and looks from the start when that finds too few rows and every FULL_SCAN_EVERY rounds,
-        # which is how items that went back to the queue below the floor are found.
-        self._floor: Optional[tuple[int, int]] = None
-        self._rounds = 0
-        p = f'"{schema}".' if schema else ""
-        if b.is_sqlite:
-            # Completed as one statement per round: (id, token) pairs as a VALUES list.
-            self._ack = (
-                f"UPDATE wq_items SET state = '{DONE}', done_at = {_NOW_SQLITE}, lease_until = NULL "
-                "FROM (VALUES {pairs}) AS a WHERE wq_items.id = a.column1 AND wq_items.token = a.column2 "
-                f"AND wq_items.state = '{CLAIMED}' RETURNING id, epoch, seq, token, done_at")
-            self._works = "SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN ({idxs})"
-            # Events as one multi-row INSERT, each stamped with its row's own done_at/claimed_at
-            # (so event and item agree): 2.1 us per row here against 3.6 us for executemany()
-            # with a strftime() per row.
-            self._events = (
-                "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at) "
-                "SELECT ?, column1, column2, column3, column4, ?, column5, column6 FROM (VALUES {rows})")
-            self._tally = (
-                "INSERT INTO wq_tallies (queue_id, epoch, worker_id, n_done) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = n_done + excluded.n_done")
-            self._claim = (
-                f"WITH c AS MATERIALIZED (SELECT id FROM wq_items WHERE queue_id = ? AND state = '{PENDING}' "
-                "ORDER BY epoch, seq LIMIT ?) "
-                f"UPDATE wq_items SET state = '{CLAIMED}', worker_id = ?, token = ?, "
-                f"claimed_at = {_NOW_SQLITE}, lease_until = {_LATER_SQLITE}, done_at = NULL "
-                "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts, claimed_at")
-            return
-        events = f"{p}wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at)"
-        # The acks are found by primary key. "state || ''" keeps the planner off the partial
-        # index of claimed rows, which it would otherwise pick from the table's statistics (few
-        # claimed rows) although the index holds a dead entry for every claim since the last
-        # VACUUM: a bitmap scan of 21k entries per round (0.9 ms of a 1.8 ms round) after 21k
-        # claims, growing with the drain.
-        self._sql = f"""
-WITH acked AS (
-    UPDATE {p}wq_items SET state = '{DONE}', done_at = clock_timestamp(), lease_until = NULL
-    WHERE id = ANY(%(ack_ids)s::bigint[])
-      AND (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
-      AND state || '' = '{CLAIMED}'
-    RETURNING id, epoch, seq, token
-), acked_events AS (
-    INSERT INTO {events}
-    SELECT %(q)s, id, epoch, seq, '{EV_DONE}', %(w)s, token, clock_timestamp() FROM acked
-), acked_tally AS (
-    INSERT INTO {p}wq_tallies AS t (queue_id, epoch, worker_id, n_done)
-    SELECT %(q)s, epoch, %(w)s, count(*) FROM acked GROUP BY epoch
-    ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = t.n_done + excluded.n_done
-), c AS MATERIALIZED (
-    SELECT id FROM {p}wq_items
-    WHERE queue_id = %(q)s AND state = '{PENDING}' AND (epoch, seq) >= (%(fe)s, %(fs)s)
-    ORDER BY epoch, seq LIMIT %(lim)s
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE {p}wq_items i SET state = '{CLAIMED}', worker_id = %(w)s, token = %(t)s,
-        claimed_at = clock_timestamp(), lease_until = clock_timestamp() + %(lease)s * interval '1 second',
-        done_at = NULL
-    FROM c WHERE i.id = c.id
-    RETURNING i.id, i.epoch, i.seq, i.work_idx, i.attempts
-), claimed_events AS (
-    INSERT INTO {events}
-    SELECT %(q)s, id, epoch, seq, '{EV_CLAIM}', %(w)s, %(t)s, clock_timestamp() FROM claimed
-)
-SELECT 'c' AS k, cl.id, cl.epoch, cl.seq, cl.work_idx, cl.attempts, w.work
-FROM claimed cl JOIN {p}wq_works w ON w.queue_id = %(q)s AND w.idx = cl.work_idx
-UNION ALL
-SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
-"""
-
-    def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-            limit: Optional[int] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
-        """Claim up to ``limit`` items (default ``n``), in the transaction open on ``conn``, a
-        driver connection (``engine.driver_transaction``). Returns (ids of acks accepted, items
-        claimed in hand-out order, work by work index)."""
-        token = new_token()
-        n = self.n if limit is None else limit
-        if self.b.is_sqlite:
-            return self._run_sqlite(conn, qid, worker_id, acks, token, n)
-        params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease,
-                  "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
-        self._rounds += 1
-        floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
-        fe, fs = floor or (-1, -1)
-        with conn.cursor() as cur:
-            # rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked
-            cur.execute(self._sql, {**params, "fe": fe, "fs": fs, "lim": n})
-            rows = cur.fetchall()
-            accepted = {r[1] for r in rows if r[0] == "a"}
-            got = [r for r in rows if r[0] == "c"]
-            if floor is not None and len(got) < n:
-                # Items below the floor may be pending again (released, expired, a claimer that
-                # rolled back): look from the start, in the same transaction, before saying "none".
-                cur.execute(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
-                                        "fe": -1, "fs": -1, "lim": n - len(got)})
-                got += [r for r in cur.fetchall() if r[0] == "c"]
-        self._floor = min(((r[2], r[3]) for r in got), default=None)
-        claimed = sorted((Claimed(r[1], r[2], r[3], r[4], token, r[5]) for r in got),
-                         key=lambda c: (c.epoch, c.seq))
-        return accepted, claimed, {r[4]: r[6] for r in got}
-
-    def _run_sqlite(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-                    token: int, n: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
-        params: tuple[Any, ...]
-        # Errors are re-raised as SQLAlchemy's, with the statement, so the caller's retry of
-        # "database is locked" applies unchanged.
-        cur = conn.cursor()
-        sql, params = "", ()  # for the error message
-        try:
-            done: list[Any] = []
-            for k in range(0, len(acks), _SQLITE_ACK_CHUNK):
-                chunk = acks[k:k + _SQLITE_ACK_CHUNK]
-                sql = self._ack.format(pairs=", ".join(["(?, ?)"] * len(chunk)))
-                params = tuple(x for a in chunk for x in a)
-                done += cur.execute(sql, params).fetchall()  # (id, epoch, seq, token)
-            per_epoch: dict[int, int] = {}
-            for r in done:
-                per_epoch[r[1]] = per_epoch.get(r[1], 0) + 1
-            sql = self._tally
-            for epoch, k in per_epoch.items():
-                cur.execute(sql, (qid, epoch, worker_id, k))
-            sql, params = self._claim, (qid, n, worker_id, token, f"+{self.lease!r} seconds")
-            rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts, claimed_at)
-            evs = [(r[0], r[1], r[2], EV_DONE, r[3], r[4]) for r in done]
-            evs += [(r[0], r[1], r[2], EV_CLAIM, token, r[5]) for r in rows]
-            for k in range(0, len(evs), _SQLITE_EVENT_CHUNK):
-                batch = evs[k:k + _SQLITE_EVENT_CHUNK]
-                sql = self._events.format(rows=", ".join(["(?, ?, ?, ?, ?, ?)"] * len(batch)))
-                params = (qid, worker_id, *(x for e in batch for x in e))
-                cur.execute(sql, params)
-            works: dict[int, str] = {}
-            if rows:
-                idxs = sorted({r[3] for r in rows})
-                sql, params = self._works.format(idxs=", ".join(["?"] * len(idxs))), (qid, *idxs)
-                works = dict(cur.execute(sql, params).fetchall())
-        except sqlite3.Error as e:
-            raise DBAPIError.instance(sql, params, e, sqlite3.Error) from e
-        finally:
-            cur.close()
-        claimed = sorted((Claimed(r[0], r[1], r[2], r[3], token, r[4]) for r in rows),
-                         key=lambda c: (c.epoch, c.seq))
-        return {r[0] for r in done}, claimed, works
-
-
-# Rows per statement: SQLite allows 32766 parameters per statement.
-_SQLITE_ACK_CHUNK = 10_000  # 2 parameters each
-_SQLITE_EVENT_CHUNK = 5_000  # 6 each
+# ---------------------------------------------------------------- acks (the claim round: claim.py)
 
 
 def _fenced(pairs: Sequence[tuple[int, int]]) -> Any:
@@ -441,7 +251,7 @@ def _fenced(pairs: Sequence[tuple[int, int]]) -> Any:
     return and_(tuple_(items.c.id, items.c.token).in_(list(pairs)), items.c.state.concat("") == CLAIMED)
 
 
-def complete(conn: Connection, b: Backend, qid: int, worker_id: int,
+def complete(conn: Connection, b: Dialect, qid: int, worker_id: int,
              pairs: Sequence[tuple[int, int]]) -> set[int]:
     """Mark claimed items done, fenced by ``(id, token)``; returns the ids accepted.
 
@@ -457,7 +267,7 @@ def complete(conn: Connection, b: Backend, qid: int, worker_id: int,
     return {r.id for r in rows}
 
 
-def release(conn: Connection, b: Backend, qid: int, worker_id: int,
+def release(conn: Connection, b: Dialect, qid: int, worker_id: int,
             pairs: Sequence[tuple[int, int]]) -> set[int]:
     """Give claimed items back without counting an attempt."""
     if not pairs:
@@ -474,7 +284,7 @@ def _after_attempt(max_attempts: int) -> Any:
     return case((items.c.attempts + 1 >= max_attempts, FAILED), else_=PENDING)
 
 
-def fail(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequence[tuple[int, int]],
+def fail(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequence[tuple[int, int]],
          error: str, max_attempts: int) -> set[int]:
     """Count a failed attempt; the item goes back to pending, or to failed after ``max_attempts``."""
     if not pairs:
@@ -490,7 +300,7 @@ def fail(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequence
     return {r.id for r in rows}
 
 
-def expire(conn: Connection, b: Backend, qid: int, max_attempts: int) -> int:
+def expire(conn: Connection, b: Dialect, qid: int, max_attempts: int) -> int:
     """Return items whose lease ran out to the queue (an attempt each); returns how many.
 
     Only claimed rows are scanned (partial index). The row keeps ``worker_id``, the last holder,
@@ -498,7 +308,7 @@ def expire(conn: Connection, b: Backend, qid: int, max_attempts: int) -> int:
     return _give_back(conn, b, qid, [items.c.lease_until < b.now()], max_attempts, "lease expired")
 
 
-def _give_back(conn: Connection, b: Backend, qid: int, where: list[Any], max_attempts: int,
+def _give_back(conn: Connection, b: Dialect, qid: int, where: list[Any], max_attempts: int,
                why: str) -> int:
     """Claimed items matching ``where`` go back to the queue (or fail, at ``max_attempts``), an
     attempt each, with an ``expire`` event saying ``why``. Rows another transaction has locked
@@ -536,7 +346,7 @@ class Holder:
     held: int
 
 
-def holders_to_check(conn: Connection, b: Backend, qid: int, me: int, host: str) -> list[Holder]:
+def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str) -> list[Holder]:
     """The other workers holding items that are stale or on ``host``: a read, one statement."""
     age = b.seconds_since(workers.c.heartbeat_at)
     stale = and_(workers.c.beat_seconds.is_not(None), age > STALE_BEATS * workers.c.beat_seconds)
@@ -552,7 +362,7 @@ def holders_to_check(conn: Connection, b: Backend, qid: int, me: int, host: str)
                    int(r.held)) for r in rows if r.held]
 
 
-def give_back_held(conn: Connection, b: Backend, qid: int, h: Holder, max_attempts: int, why: str,
+def give_back_held(conn: Connection, b: Dialect, qid: int, h: Holder, max_attempts: int, why: str,
                    *, dead: bool) -> int:
     """Return the items ``h`` holds to the queue, if that worker is still the same incarnation
     and still gone (``dead``: its process is known dead; else its heartbeat must still be
@@ -564,7 +374,7 @@ def give_back_held(conn: Connection, b: Backend, qid: int, h: Holder, max_attemp
                       max_attempts, why)
 
 
-def renew(conn: Connection, b: Backend, worker_id: int, incarnation: str, tokens: Sequence[int],
+def renew(conn: Connection, b: Dialect, worker_id: int, incarnation: str, tokens: Sequence[int],
           lease_seconds: float, max_item_seconds: Optional[float], buffered: int = 0) -> bool:
     """Heartbeat: refresh the worker row (with how many of its items are ``buffered``: claimed,
     not yet handed out) and the leases of the items this incarnation holds.
@@ -594,14 +404,14 @@ def find_worker(conn: Connection, qid: int, name: str, lock: bool) -> Optional[A
     return conn.execute(stmt).one_or_none()
 
 
-def heartbeat_age(conn: Connection, b: Backend, worker_id: int) -> Optional[float]:
+def heartbeat_age(conn: Connection, b: Dialect, worker_id: int) -> Optional[float]:
     """Seconds since the worker's last heartbeat, by the database clock (None: closed cleanly)."""
     age = conn.execute(select(b.seconds_since(workers.c.heartbeat_at))
                        .where(workers.c.id == worker_id)).scalar_one()
     return None if age is None else float(age)
 
 
-def insert_worker(conn: Connection, b: Backend, qid: int, name: str, incarnation: str, host: str,
+def insert_worker(conn: Connection, b: Dialect, qid: int, name: str, incarnation: str, host: str,
                   pid: int, proc_start: Optional[int], beat_seconds: float) -> Optional[int]:
     return conn.execute(
         b.insert(workers).values(queue_id=qid, name=name, incarnation=incarnation, host=host, pid=pid,
@@ -611,7 +421,7 @@ def insert_worker(conn: Connection, b: Backend, qid: int, name: str, incarnation
     ).scalar_one_or_none()
 
 
-def take_over_worker(conn: Connection, b: Backend, worker_id: int, incarnation: str, host: str,
+def take_over_worker(conn: Connection, b: Dialect, worker_id: int, incarnation: str, host: str,
                      pid: int, proc_start: Optional[int], beat_seconds: float) -> None:
     conn.execute(update(workers).where(workers.c.id == worker_id).values(
         incarnation=incarnation, host=host, pid=pid, proc_start=proc_start,
@@ -623,7 +433,7 @@ def close_worker(conn: Connection, worker_id: int, incarnation: str) -> None:
                  .values(heartbeat_at=None))
 
 
-def recover(conn: Connection, b: Backend, qid: int, worker_id: int, lease_seconds: float,
+def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_seconds: float,
             max_attempts: int) -> list[Claimed]:
     """A restarted worker takes back the items its dead predecessor still held, before their lease
     expires (DeepRec's LocalWorkMgr replays restored works first). The crash counts as an attempt,
@@ -670,7 +480,7 @@ class Peek:
     mine: int
 
 
-def peek(conn: Connection, b: Backend, qid: int, worker_id: int) -> Peek:
+def peek(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
     """What a waiting worker polls, read-only (no write lock on SQLite): index probes only
     (pending and claimed rows have partial indexes; the counters are a handful of rows)."""
     pending = select(items.c.id).where(items.c.queue_id == qid, items.c.state == PENDING).limit(1)
@@ -728,7 +538,7 @@ def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool
 # ---------------------------------------------------------------- checkpoint-consistent consumption
 
 
-def cover(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequence[tuple[int, int]],
+def cover(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequence[tuple[int, int]],
           step: int, ambiguous: int) -> set[int]:
     """A model checkpoint at global ``step`` covers these claimed items: mark them done, stamped
     with ``step`` (``ckpt_step`` and the ``done`` event's detail), fenced by ``(id, token)`` like
@@ -746,7 +556,7 @@ def cover(conn: Connection, b: Backend, qid: int, worker_id: int, pairs: Sequenc
     return {r.id for r in rows}
 
 
-def reopen_after(conn: Connection, b: Backend, qid: int, worker_id: int, step: Optional[int]) -> int:
+def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: Optional[int]) -> int:
     """The worker restored its model from the checkpoint at ``step`` (``None``: from none): put
     every item a later checkpoint of this worker had covered back to ``pending`` (``requeue``
     events saying why, counters corrected), and record the restore. Returns how many."""
@@ -770,7 +580,7 @@ def reopen_after(conn: Connection, b: Backend, qid: int, worker_id: int, step: O
 # ---------------------------------------------------------------- operator actions
 
 
-def requeue(conn: Connection, b: Backend, qid: int, from_state: str, *, epoch: Optional[int] = None,
+def requeue(conn: Connection, b: Dialect, qid: int, from_state: str, *, epoch: Optional[int] = None,
             worker_id: Optional[int] = None, lease_expired: bool = False,
             detail: Optional[str] = None) -> list[Any]:
     """Put items of ``from_state`` (``done``, ``failed`` or ``claimed``) back to ``pending``,

@@ -1,31 +1,35 @@
-"""Pace: how often this worker takes items, and claiming the next one just in time.
+"""Refilling a queue object's buffer in the background: one thread, two triggers.
 
-``WorkQueue(..., claim_ahead=True)`` starts one thread per queue object that claims the next
-item (:meth:`WorkQueue.prefetch`) shortly before the worker is expected to ask for it: at the
-last hand-out plus the shortest of the worker's last few intervals between hand-outs, minus
-about twice the claim's round trip. The shortest, not the average: with occasional stragglers
-(a slow item, a GC pause) the average would make every normal item's claim late, and a claim
-that comes early only holds one item a little longer. ``take()`` then finds the item in the
-buffer instead of waiting for the database, and the item is claimed only a round trip or two
-early, so a slow worker does not sit on work that a fast one could do (the reason not to claim
-far ahead).
+``WorkQueue.prefetch`` tops the buffer up in one round trip without holding the queue's lock.
+The :class:`Refiller` thread calls it when either trigger fires:
+
+- a due time (``claim_ahead=True``): the next item is claimed shortly before the worker is
+  expected to ask for it: at the last hand-out plus the shortest of the worker's last few
+  intervals between hand-outs (:class:`Pace`), minus about twice the claim's round trip. The
+  shortest, not the average: with occasional stragglers (a slow item, a GC pause) the average
+  would make every normal item's claim late, and a claim that comes early only holds one item
+  a little longer. The item is claimed only a round trip or two early, so a slow worker does
+  not sit on work that a fast one could do (the reason not to claim far ahead).
+- a kick (``WorkQueue.refill_soon``, the TensorFlow pipeline after each hand-out): refill now,
+  again and again while a round claims something, once at least ``min_claim`` places are free.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
-if TYPE_CHECKING:
-    from wq_sql.queue import WorkQueue
+from wq_sql.errors import WorkerConflict, WqSqlError
 
 log = logging.getLogger("wq_sql")
 SMOOTHING = 0.2  # weight of the newest interval in the moving averages
 RECENT = 8  # intervals whose shortest schedules the next claim
+IDLE_CHECK = 1.0  # seconds: an idle refill thread looks this often whether its owner is gone
 
 
 class Pace:
@@ -49,16 +53,22 @@ class Pace:
         self.last = now
 
 
-class JustInTime:
-    """The thread that claims ahead for ``claim_ahead=True``; see the module docstring."""
+class Refiller:
+    """The refill thread of one queue object (see the module docstring). ``refill(min_claim)``
+    claims into the buffer and returns how many it claimed. The thread holds this object
+    weakly, so an owner that is collected ends it."""
 
-    def __init__(self, queue: WorkQueue) -> None:
+    def __init__(self, refill: Callable[[int], int], label: str) -> None:
         self.round_trip = 0.005
+        self._refill = refill
+        self._label = label
         self._wake = threading.Condition()
         self._due: Optional[float] = None
+        self._kicked = 0  # min_claim of a pending kick, 0: none
         self._stopped = False
-        self._thread = threading.Thread(target=_loop, args=(weakref.ref(queue), self), daemon=True,
-                                        name=f"wq_sql-claim-ahead-{queue.name}")
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self._wake),
+                                        name=f"wq_sql-refill-{label}", daemon=True)
         self._thread.start()
 
     def schedule(self, pace: Pace) -> None:
@@ -71,39 +81,73 @@ class JustInTime:
             self._due = pace.last + ahead
             self._wake.notify()
 
+    def kick(self, min_claim: int) -> None:
+        """Refill now, while rounds claim, once ``min_claim`` places are free."""
+        with self._wake:
+            self._kicked = max(1, min_claim)
+            self._wake.notify()
+
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        if self._pid == os.getpid() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return self._pid == os.getpid() and self._thread.is_alive() and not self._stopped
 
-    def _next(self) -> bool:
-        """Wait until a claim is due; False once stopped."""
+    def _next(self) -> Optional[tuple[int, bool]]:
+        """Wait for a trigger: (min_claim, whether to repeat while rounds claim), or None when
+        stopped. Returns None also after ``IDLE_CHECK`` with nothing to do, so that the loop
+        can look whether the owner still exists."""
         with self._wake:
+            deadline = time.monotonic() + IDLE_CHECK
             while not self._stopped:
                 now = time.monotonic()
+                if self._kicked:
+                    n, self._kicked = self._kicked, 0
+                    return n, True
                 if self._due is not None and now >= self._due:
                     self._due = None
-                    return True
-                self._wake.wait(None if self._due is None else self._due - now)
-            return False
+                    return 1, False
+                if now >= deadline and self._due is None:
+                    return 0, False
+                self._wake.wait((self._due if self._due is not None else deadline) - now)
+            return None
 
-
-def _loop(ref: weakref.ref[WorkQueue], jit: JustInTime) -> None:
-    while jit._next():
-        queue = ref()
-        if queue is None:
-            return
+    def _run(self, min_claim: int, repeat: bool) -> bool:
+        """One trigger's refills; False once this thread should end."""
         t = time.monotonic()
         try:
-            claimed = queue.prefetch()
-        except Exception as e:  # closed, or the database is away: take() reports it to the caller
-            log.debug("claim ahead of queue %r failed: %s", queue.name, type(e).__name__)
-            claimed = 0
-        if claimed:
-            jit.round_trip = (1 - SMOOTHING) * jit.round_trip + SMOOTHING * (time.monotonic() - t)
-        del queue
+            claimed = self._refill(min_claim)
+            if not repeat:
+                if claimed:
+                    self.round_trip = (1 - SMOOTHING) * self.round_trip + SMOOTHING * (time.monotonic() - t)
+                return True
+            while claimed and not self._stopped:
+                claimed = self._refill(min_claim)
+        except WorkerConflict:
+            return False  # superseded: take() says so to the caller
+        except WqSqlError as e:
+            if type(e) is WqSqlError:  # closed
+                return False
+            log.debug("refill of queue %r failed, take() will retry: %s", self._label, e)
+        except Exception as e:  # a database error: the caller's own take() retries and reports it
+            log.debug("refill of queue %r failed, take() will retry: %s", self._label, type(e).__name__)
+        return True
+
+
+def _loop(ref: weakref.ref[Refiller], wake: threading.Condition) -> None:
+    while True:
+        r = ref()
+        if r is None:
+            return
+        trigger = r._next()
+        if trigger is None:
+            return
+        if trigger[0] and not r._run(*trigger):
+            with wake:
+                r._stopped = True
+            return
+        del r

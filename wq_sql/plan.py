@@ -236,3 +236,52 @@ def unslice(item: str) -> str:
         return item[:m.start()]
     # Queues created before this rule put "&start=" after a work that held a "?" already.
     return _OLD_SLICE.sub("", item) if "?" in item else item
+
+
+# ---------------------------------------------------------------- arguments of a queue
+
+
+def check_name(name: object) -> str:
+    if isinstance(name, str) and "\x00" in name:
+        raise InvalidInput("name contains a NUL character, which neither backend can store")
+    if not isinstance(name, str) or not name or len(name) > 200:
+        raise InvalidInput(f"name must be a non-empty str of at most 200 characters, got {name!r}")
+    check_text("name", name)
+    if not any(ch.isprintable() and not ch.isspace() for ch in name):
+        # Spaces or invisible characters only: a blank row in `wq-sql ls`, and hard to type.
+        raise InvalidInput(f"name must contain a visible character (not only spaces or invisible "
+                           f"ones), got {name!r}")
+    return name
+
+
+def check_prefix(prefix: object) -> Optional[str]:
+    if prefix is None:
+        return None
+    if isinstance(prefix, bytes):
+        try:
+            prefix = prefix.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidInput(f"prefix is not valid UTF-8 ({e}); pass str or UTF-8 bytes") from None
+    if not isinstance(prefix, str) or "\x00" in prefix:
+        raise InvalidInput(f"prefix must be None or a str without NUL, got {prefix!r}")
+    check_text("prefix", prefix)
+    return prefix
+
+
+def check_positive(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidInput(f"{what} must be a positive number, got {value!r}")
+
+
+def check_seconds(what: str, value: object) -> None:
+    """A duration the database adds to its clock: positive and at most 1e9 s (31 years), so it
+    stays a valid interval (Postgres) and timestamp (SQLite)."""
+    check_positive(what, value)
+    if not value <= 1e9:  # type: ignore[operator]
+        raise InvalidInput(f"{what} must be at most 1e9 seconds (about 31 years), got {value!r}")
+
+
+def check_count(what: str, value: object) -> None:
+    """A count stored in a 32-bit INTEGER column."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+        raise InvalidInput(f"{what} must be an int from 1 to 2**31 - 1, got {value!r}")

@@ -70,17 +70,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
+from wq_sql.errors import QueueEmpty, QueueExhausted
 from wq_sql.queue import Progress, WorkItem
 from wq_sql.queue import WorkQueue as _CoreQueue
 from wq_sql.tf_readers import TableRecordReader, item_dataset, records_dataset
@@ -129,7 +127,6 @@ class WorkQueue:
         self._taken = 0
         self._last_epoch = 0
         self._cancel_generation = 0
-        self._prefetcher: Optional[_Prefetcher] = None
         self._hand_out = max(1, (self.queue.lease_ahead + 1) // 2)  # items per input_dataset call
 
     @classmethod
@@ -173,14 +170,12 @@ class WorkQueue:
 
     def close(self) -> None:
         """Acknowledge what was handed out, give back what was claimed ahead, and leave."""
-        self._stop_prefetching()
         self.queue.close()
 
     def __enter__(self) -> WorkQueue:
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
-        self._stop_prefetching()
         self.queue.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:
@@ -253,7 +248,6 @@ class WorkQueue:
         checkpoint mode's end). A refill thread kicked by the last hand-out may be about to claim
         an item into the buffer, where no pull would ever look: stop the refills first, then
         take what they left there; only an empty buffer ends the data."""
-        self._stop_prefetching()
         self.queue.stop_refills()
         try:
             return self.queue.take_many(n, timeout=0, claim=claim)
@@ -277,31 +271,19 @@ class WorkQueue:
 
     def _next_many(self) -> np.ndarray:
         """For ``input_dataset``: the next items (up to half of ``lease_ahead``, what the buffer
-        holds), or none at the end. After each hand-out, the prefetch thread tops the core's
+        holds), or none at the end. After each hand-out, the core's refill thread tops the core's
         buffer up again, off the pipeline's path."""
         try:
             # With an empty buffer (the first pull), claim at most _FIRST_CLAIM items, so the
-            # pipeline starts after a short round trip; the prefetch thread claims the rest while
+            # pipeline starts after a short round trip; the refill thread claims the rest while
             # the pipeline reads those.
             items = self._take_items(self._hand_out, claim=min(self._hand_out, _FIRST_CLAIM))
         except QueueExhausted:
             return np.array([], dtype=object)
-        self._kick_prefetcher()
+        # The core's refill thread tops its buffer up again, off the pipeline's path, once at
+        # least half of lease_ahead places are free (one round trip claims several items).
+        self.queue.refill_soon(max(1, (self.queue.lease_ahead + 1) // 2))
         return np.array([item.encode("utf-8") for item in items], dtype=object)
-
-    def _kick_prefetcher(self) -> None:
-        p = self._prefetcher
-        if p is None or not p.alive():
-            with self._stats_lock:
-                p = self._prefetcher
-                if p is None or not p.alive():
-                    p = self._prefetcher = _Prefetcher(self.queue)
-        p.kick()
-
-    def _stop_prefetching(self) -> None:
-        p = self._prefetcher
-        if p is not None:
-            p.stop()
 
     # ------------------------------------------------------------------ DeepRec's API
 
@@ -781,66 +763,6 @@ def _holds_iterator(checkpoint: Any) -> bool:
         return any(isinstance(obj, tf.data.Iterator) for obj in objects)
     except Exception:  # not a trackable object graph: assume no iterator (at least once)
         return False
-
-
-class _Prefetcher:
-    """A daemon thread that keeps the core queue's buffer of claimed items topped up
-    (:meth:`wq_sql.WorkQueue.prefetch`) after each take by ``input_dataset``, so that the
-    ``tf.data`` pull pops a buffered item instead of waiting for a database round trip. It
-    claims once at least half of ``lease_ahead`` places are free, so one round trip claims
-    several items; the core keeps claimed-but-not-handed-out items at most ``lease_ahead``.
-    Started by the first pull (a pipeline that is only built claims nothing)."""
-
-    def __init__(self, queue: _CoreQueue) -> None:
-        self._wake = threading.Event()
-        self._stopped = threading.Event()
-        self._pid = os.getpid()
-        min_claim = max(1, (queue.lease_ahead + 1) // 2)
-        self._thread = threading.Thread(
-            target=_prefetch_loop, args=(weakref.ref(queue), self._wake, self._stopped, min_claim),
-            name=f"wq_sql-prefetch-{queue.name}", daemon=True)
-        self._thread.start()
-
-    def alive(self) -> bool:
-        return self._pid == os.getpid() and not self._stopped.is_set()
-
-    def kick(self) -> None:
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._wake.set()
-        if self._pid == os.getpid() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-
-
-def _prefetch_loop(ref: weakref.ref[_CoreQueue], wake: threading.Event, stopped: threading.Event,
-                   min_claim: int) -> None:
-    try:
-        while not stopped.is_set():
-            if not wake.wait(timeout=1.0):
-                if ref() is None:  # the queue object is gone: so is the need to prefetch
-                    return
-                continue
-            wake.clear()
-            queue = ref()
-            if queue is None or stopped.is_set():
-                return
-            try:
-                while queue.prefetch(min_claim) and not stopped.is_set():
-                    pass
-            except WorkerConflict:
-                return  # superseded: take() says so to the pipeline
-            except WqSqlError as e:
-                if type(e) is WqSqlError:  # closed
-                    return
-                log.debug("prefetch of queue %r failed, take() will retry: %s", queue.name, e)
-            except Exception as e:  # a database error: the pipeline's own take() retries and reports it
-                log.debug("prefetch of queue %r failed, take() will retry: %s", queue.name, e)
-            finally:
-                del queue
-    finally:
-        stopped.set()
 
 
 class _Cancelled(Exception):

@@ -21,10 +21,9 @@ import numpy as np
 import sqlalchemy as sa
 import tensorflow as tf
 
-from wq_sql import ops
 from wq_sql.errors import InvalidInput
 from wq_sql.plan import unslice
-from wq_sql.queue import WorkItem, _live
+from wq_sql.queue import WorkItem, handed_out_by
 from wq_sql.queue import WorkQueue as CoreQueue
 from wq_sql.sources import source_for
 from wq_sql.sources.table import TableSource
@@ -40,8 +39,7 @@ def _core(wq: Any) -> CoreQueue:
 
 
 def _first_work(q: CoreQueue) -> str:
-    works = q._tx(lambda c: ops.works_by_idx(c, q._qid, [0]), read=True)
-    return works[0]
+    return q.work_at(0)
 
 
 def _kinds(q: CoreQueue, columns: Optional[Sequence[str]]) -> Union[Kind, tuple[Kind, ...]]:
@@ -50,7 +48,7 @@ def _kinds(q: CoreQueue, columns: Optional[Sequence[str]]) -> Union[Kind, tuple[
     work = unslice(_first_work(q))
     src = source_for(work)
     if isinstance(src, TableSource):
-        return tuple(_kind(c.type) for c in src.columns(work, q._engine, columns))
+        return tuple(_kind(c.type) for c in src.columns(work, q.engine, columns))
     if src is None:
         raise InvalidInput(f"queue {q.name!r} holds plain works ({work!r}): use input_dataset() with "
                            "your own reader, e.g. tf.data.TextLineDataset(wq.input_dataset())")
@@ -120,10 +118,9 @@ def _signature(kinds: Union[Kind, tuple[Kind, ...]]) -> Any:
 def _find(item: Union[bytes, str]) -> tuple[CoreQueue, WorkItem]:
     """The core queue that handed ``item`` out, and the hand-out itself."""
     s = item.decode("utf-8") if isinstance(item, bytes) else item
-    for q in list(_live):
-        held = q._recent.get(s)
-        if held is not None:
-            return q, held
+    found = handed_out_by(s)
+    if found is not None:
+        return found
     raise InvalidInput(f"{s!r} was not handed out by a WorkQueue of this process")
 
 

@@ -104,8 +104,7 @@ def test_prefetch_from_another_thread_never_double_claims(url: str) -> None:
     got, most_ahead = [], 0
     for item in wq:
         got.append(str(item))
-        with wq._lock:
-            most_ahead = max(most_ahead, len(wq._buffer))
+        most_ahead = max(most_ahead, wq.buffered)
     stop.set()
     for t in threads:
         t.join(timeout=30)
@@ -136,6 +135,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30) -> bool:
 @pytest.mark.parametrize("lease_ahead", [1, 4, 16])
 def test_input_dataset_prefetches_in_the_background_within_lease_ahead(url: str, lease_ahead: int) -> None:
     works = [f"w{i}" for i in range(20)]
+    before = set(threading.enumerate())
     wq = WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=lease_ahead)
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False  # one pull = one item taken
@@ -158,4 +158,4 @@ def test_input_dataset_prefetches_in_the_background_within_lease_ahead(url: str,
     assert [x.numpy().decode() for x in it] == works[pulls:]
     wq.close()
     assert states_of(url, "work_queue", "w") == {"done": 20}
-    assert wq._prefetcher is not None and not wq._prefetcher.alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("wq_sql-refill") and t not in before]

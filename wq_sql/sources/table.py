@@ -64,6 +64,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 from sqlalchemy.sql.elements import ColumnElement, quoted_name
 
+from wq_sql.dialects import dialect_of
 from wq_sql.engine import make_engine, resolve_url, safe_url
 from wq_sql.errors import InvalidInput
 from wq_sql.plan import cut
@@ -245,8 +246,7 @@ class TableSource:
         eng = _reader_engine(ref.alias, engine)
         table, keys, unique = self._table(ref, eng)
         with eng.connect() as c:
-            if eng.dialect.name == "postgresql":  # count and cut in one snapshot
-                c = c.execution_options(isolation_level="REPEATABLE READ")
+            c = c.execution_options(**dialect_of(eng).snapshot_options)  # count and cut in one snapshot
             with c.begin():
                 n = int(c.execute(select(func.count()).select_from(table)).scalar_one())
                 if n == 0:

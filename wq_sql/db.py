@@ -1,0 +1,235 @@
+"""A database handle for one queue object: engine, dialect, transactions with retries, the
+outage window, and fork safety. Every service below the facade receives a :class:`Db`.
+
+Retries: SQLite locked past its busy handler is retried every few ms up to ``busy_timeout``
+(then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a restart, a failover,
+``pg_terminate_backend``), a deadlock or a serialization failure is retried with backoff up to
+``busy_timeout`` too. Each retry reruns the whole transaction. A database this handle never
+reached is not waited for: a refused port or an unknown host is a wrong URL or a server not
+started, and raises :class:`DatabaseUnavailable` at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sqlite3
+import threading
+import time
+import weakref
+from typing import Any, Callable, TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from wq_sql.dialects import LOST, dialect_of
+from wq_sql.engine import driver_transaction, open_error, safe_url
+from wq_sql.errors import DatabaseBusy, DatabaseUnavailable
+
+log = logging.getLogger("wq_sql")
+T = TypeVar("T")
+
+# SQLite: the longest a statement waits for the write lock before Db.retrying tries again, after
+# LOCK_RETRY seconds (with jitter): see engine.make_engine(lock_slice=).
+LOCK_SLICE, LOCK_RETRY = 0.05, 0.002
+# After an outage, every worker's leases ran on while nobody could renew them: the other workers
+# need this long to reconnect (their retry pause is at most 1.5 s), plus a few heartbeats.
+RECONNECT_SECONDS = 1.5
+
+
+class Db:
+    """Transactions on one engine for one queue object (``label`` names it in log lines).
+
+    ``quiet_seconds``: after an outage, :attr:`may_expire` stays false this long, so that no
+    worker returns another's items before that one could renew its leases."""
+
+    def __init__(self, engine: Engine, url: URL, *, busy_timeout: float, label: str,
+                 quiet_seconds: float = 0.0) -> None:
+        self.engine = engine
+        self.url = url
+        self.dialect = dialect_of(engine)
+        self.busy_timeout = busy_timeout
+        self.label = label
+        self.quiet_seconds = quiet_seconds
+        self.reached = False          # a transaction succeeded: outages are waited for
+        self._quiet_until = 0.0
+        self._gate = _TxGate()
+        self._pid = os.getpid()
+        self.closed = False
+        _open_dbs.add(self)
+
+    @property
+    def may_expire(self) -> bool:
+        """Whether other workers had time to renew their leases since the last outage."""
+        return time.monotonic() >= self._quiet_until
+
+    def tx(self, fn: Callable[[Connection], T], *, read: bool = False) -> T:
+        """Run ``fn`` in one transaction, retried (see the module docstring). ``read``: a
+        read-only transaction (no write lock on SQLite)."""
+        def once() -> T:
+            with self._gate, self.engine.connect() as conn:
+                if read:
+                    conn.execution_options(wq_read=True)
+                with conn.begin():
+                    return fn(conn)
+        return self.retrying(once)
+
+    def driver_tx(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn`` on the driver's own connection in one write transaction (the claim round's
+        hot path: ``engine.driver_transaction``), retried like :meth:`tx`."""
+        def once() -> T:
+            with self._gate, driver_transaction(self.engine) as conn:
+                return fn(conn)
+        return self.retrying(once)
+
+    def retrying(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying what is transient (see the module docstring)."""
+        start = time.monotonic()
+        deadline = start + self.busy_timeout
+        delay = 0.01
+        outage = False
+        while True:
+            try:
+                result = fn()
+                self.reached = True
+                if outage:
+                    log.warning("queue %r: the database is back after %.1fs; continuing", self.label,
+                                time.monotonic() - start)
+                    self._quiet_until = time.monotonic() + RECONNECT_SECONDS + self.quiet_seconds
+                return result
+            except DBAPIError as e:
+                why = self.dialect.transient(e, self.reached)
+                if why is None:
+                    unavailable = open_error(self.url, e)
+                    if unavailable is None:
+                        raise
+                    raise unavailable from e
+                if time.monotonic() >= deadline:
+                    if why == "locked":
+                        raise DatabaseBusy(
+                            f"the SQLite database {safe_url(self.url)} stayed locked for "
+                            f"{self.busy_timeout:.0f}s; raise busy_timeout= or use fewer writers") from None
+                    if why in LOST:
+                        unavailable = open_error(self.url, e)
+                        raise DatabaseUnavailable(
+                            f"the database stayed unreachable for {self.busy_timeout:.0f}s (busy_timeout=, "
+                            f"raise it to wait longer): {unavailable or safe_url(self.url)}") from e
+                    raise
+                if why in LOST and not outage:
+                    # Operators should see a restart or failover, not only DEBUG logs.
+                    log.warning("queue %r: database connection lost (%s); retrying for up to %.0fs "
+                                "(busy_timeout)", self.label, why, self.busy_timeout)
+                    outage = True
+                log.debug("retrying transaction: %s", why)
+                if why == "locked":  # every few ms, not backing off: see LOCK_SLICE
+                    time.sleep(LOCK_RETRY * (0.5 + random.random()))
+                    continue
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
+
+    def checkpoint_wal(self) -> None:
+        """SQLite: copy committed WAL pages into the database file (the dialect's statement
+        waits for no reader or writer, and does what it can). wq_sql's engines turn SQLite's
+        automatic checkpoint off, which would otherwise run inside whichever claim's commit
+        crossed 1,000 WAL pages, fsync included; a heartbeat thread calls this instead. Another
+        process checkpointing at the same time makes this one a no-op."""
+        statement = self.dialect.wal_checkpoint
+        if statement is None:
+            return
+        with self._gate:
+            if self.closed or os.getpid() != self._pid:
+                return
+            try:
+                fairy = self.engine.raw_connection()
+                try:
+                    fairy.dbapi_connection.execute(statement).fetchall()  # type: ignore[union-attr]
+                finally:
+                    fairy.close()
+            except sqlite3.Error as e:  # best effort (busy: another checkpoint runs); never
+                # let it end the heartbeat thread, whose lease renewals matter
+                log.debug("checkpoint of %s skipped: %s", safe_url(self.url), e)
+
+    def in_child(self) -> bool:
+        """After ``fork()``, the first call in the child: forget the parent's connections (see
+        ``Dialect.close_inherited``) and return True; False in the process that opened it."""
+        if os.getpid() == self._pid:
+            return False
+        self.engine.dispose(close=self.dialect.close_inherited)
+        self._pid = os.getpid()
+        return True
+
+    def close(self, *, own: bool = True) -> None:
+        """Close the pooled connections (``own=False``: an engine the caller passed in, and the
+        child of a fork, only drop them)."""
+        self.closed = True
+        _open_dbs.discard(self)
+        self.engine.dispose(close=own and os.getpid() == self._pid)
+
+
+class _TxGate:
+    """Counts the transactions in flight, so that ``fork()`` can wait until there are none and
+    hold new ones back meanwhile."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._shut = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._shut:
+                self._cond.wait()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def shut(self) -> None:
+        with self._cond:
+            self._shut = True
+            while self._active:
+                self._cond.wait()
+
+    def open(self) -> None:
+        with self._cond:
+            self._shut = False
+            self._cond.notify_all()
+
+
+_open_dbs: weakref.WeakSet[Db] = weakref.WeakSet()
+_forking: list[_TxGate] = []
+
+
+def _before_fork() -> None:
+    """SQLite keeps per-process lock state that ``fork()`` copies: a child that inherits an open
+    connection (worse, one inside another thread's write transaction) shares that state instead
+    of taking real file locks, and waits forever or loses its commits. So wait until no thread
+    is inside a SQLite transaction, and close the idle connections: the child inherits none."""
+    for db in list(_open_dbs):
+        if db.dialect.close_inherited and db._pid == os.getpid() and not db.closed:
+            db._gate.shut()
+            _forking.append(db._gate)
+            db.engine.dispose()
+
+
+def _after_fork_in_parent() -> None:
+    while _forking:
+        _forking.pop().open()
+
+
+def _after_fork_in_child() -> None:
+    """A gate that the parent shut, or that another thread of the parent was inside at ``fork()``,
+    would stay shut or busy forever in the child: give every handle a fresh one."""
+    _forking.clear()
+    for db in list(_open_dbs):
+        db._gate = _TxGate()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+

@@ -1,0 +1,174 @@
+"""Every difference between SQLite and PostgreSQL that the rest of wq_sql needs, in one room.
+
+A :class:`Dialect` answers in SQL expressions (the clock, upserts, array parameters) or in
+plain facts (which driver errors are transient, how large an epoch chunk is, what a fork does to
+inherited connections). Modules above it ask it instead of branching on the backend's name; the
+claim round (``claim.py``) keeps its two statement texts side by side and names its dialect once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sqlalchemy import Connection, Engine, Integer, Text, bindparam, func, literal_column, select, text
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.sql.elements import ColumnElement
+
+SQLITE, POSTGRESQL = "sqlite", "postgresql"
+
+# Item rows per transaction when a worker makes the next epoch (``epochs.EpochMaker``): a few ms
+# of SQLite's write lock, a few MB of Postgres WAL.
+EPOCH_CHUNK_SQLITE = 2_000
+EPOCH_CHUNK_PG = 10_000
+
+# SQLite's clock as text in SQLAlchemy's storage format (microseconds, six digits), now and a
+# bound number of seconds later ('+60.0 seconds'): text timestamps compare as strings.
+SQLITE_NOW = "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
+SQLITE_LATER = "(strftime('%Y-%m-%d %H:%M:%f', 'now', ?) || '000')"
+
+# Why a Postgres error is worth retrying: the connection is gone, or could not be made.
+LOST = ("disconnected", "cannot connect")
+# A server that answers, but cannot take this connection yet: worth waiting for on a first connect.
+_SERVER_BUSY = ("the database system is starting up", "too many clients", "remaining connection slots")
+# Postgres' key for "the wq_sql migration lock" among a database's advisory locks (any constant).
+_PG_MIGRATION_LOCK = 0x77715F73716C
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The backend of one engine: ``"sqlite"`` or ``"postgresql"``."""
+
+    name: str
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.name == SQLITE
+
+    # ------------------------------------------------------------------ the clock
+
+    def now(self) -> ColumnElement[Any]:
+        """The database clock, as a value comparable to stored timestamps.
+
+        SQLite's text timestamps compare as strings, so the format must match SQLAlchemy's
+        storage format exactly (microseconds, six digits)."""
+        return literal_column(SQLITE_NOW if self.is_sqlite else "clock_timestamp()")
+
+    def now_plus(self, seconds: float) -> ColumnElement[Any]:
+        s = repr(float(seconds))  # a float we produced, never user text
+        if self.is_sqlite:
+            return literal_column(f"(strftime('%Y-%m-%d %H:%M:%f', 'now', '{s} seconds') || '000')")
+        return literal_column(f"(clock_timestamp() + interval '{s} seconds')")
+
+    def seconds_since(self, column: Any) -> ColumnElement[Any]:
+        """Seconds from a stored timestamp to the database clock, as a float, in SQL."""
+        if self.is_sqlite:
+            return (func.julianday("now") - func.julianday(column)) * 86400.0
+        return func.extract("epoch", literal_column("clock_timestamp()") - column)
+
+    @staticmethod
+    def clock_value(value: Any) -> dt.datetime:
+        """A value of :meth:`now` as read back (SQLite: its text), as an aware UTC datetime."""
+        if isinstance(value, str):
+            value = dt.datetime.fromisoformat(value[:26])
+        return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
+
+    def db_now(self, conn: Connection) -> dt.datetime:
+        """The database clock, read now."""
+        return self.clock_value(conn.execute(select(self.now())).scalar_one())
+
+    # ------------------------------------------------------------------ statements
+
+    def insert(self, table: Any) -> Any:
+        """An INSERT that supports ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        return sqlite.insert(table) if self.is_sqlite else postgresql.insert(table)
+
+    def int_rows(self, values: str) -> tuple[Any, Any, Any]:
+        """A table of ``values`` (ints joined by commas) sent as one parameter: (the table, the
+        0-based position column, the value column). Postgres ``unnest ... WITH ORDINALITY``,
+        SQLite ``json_each``: a million values cost no per-value Python objects."""
+        if self.is_sqlite:
+            js = bindparam("order", "[" + values + "]", type_=Text)
+            rows = func.json_each(js).table_valued("key", "value")
+            return rows, rows.c.key, rows.c.value
+        arr = sql_cast(bindparam("order", "{" + values + "}", type_=Text), ARRAY(Integer))
+        rows = func.unnest(arr).table_valued("idx", with_ordinality="ord").render_derived()
+        return rows, rows.c.ord - 1, rows.c.idx
+
+    def lock_for_migration(self, conn: Connection) -> None:
+        """Serialise schema upgrades: Postgres takes a transaction-scoped advisory lock; on
+        SQLite the transaction began with ``BEGIN IMMEDIATE``, which already excludes writers."""
+        if not self.is_sqlite:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+
+    @property
+    def snapshot_options(self) -> dict[str, Any]:
+        """Execution options under which several reads see one snapshot (SQLite's transactions
+        always do)."""
+        return {} if self.is_sqlite else {"isolation_level": "REPEATABLE READ"}
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def epoch_chunk(self) -> int:
+        return EPOCH_CHUNK_SQLITE if self.is_sqlite else EPOCH_CHUNK_PG
+
+    @property
+    def close_inherited(self) -> bool:
+        """After ``fork()``, whether the child closes the connections it inherited. SQLite: yes,
+        or its new ones share their in-process lock state (copied by fork) instead of taking real
+        file locks, and the parent's last close deletes the WAL under the child's feet. An
+        inherited connection cannot take the write lock while the parent holds the database
+        open, so closing is safe. Postgres: never close the parent's sockets."""
+        return self.is_sqlite
+
+    @property
+    def wal_checkpoint(self) -> Optional[str]:
+        """The statement that copies committed WAL pages into the database file, waiting for no
+        reader or writer (SQLite); None where the server does it."""
+        return "PRAGMA wal_checkpoint(PASSIVE)" if self.is_sqlite else None
+
+    @property
+    def begin_write(self) -> Optional[str]:
+        """What a write transaction on a raw driver connection starts with (None: the driver
+        begins on the first statement). SQLite takes its single write lock up front."""
+        return "BEGIN IMMEDIATE" if self.is_sqlite else None
+
+    def transient(self, e: DBAPIError, reached: bool) -> Optional[str]:
+        """Why ``e`` is worth retrying, or None: SQLite's lock (``"locked"``), a lost or refused
+        Postgres connection (one of :data:`LOST`), a deadlock or serialization failure. Before
+        ``reached`` (no transaction of this client succeeded yet), a lost or refused connection
+        is not worth retrying, unless the server said it is busy."""
+        if self.is_sqlite:
+            msg = str(e.orig)
+            return "locked" if ("locked" in msg or "busy" in msg) else None
+        code = getattr(e.orig, "pgcode", None)
+        lost: Optional[str] = None
+        if e.connection_invalidated:
+            lost = "disconnected"
+        elif code is None and isinstance(e, OperationalError):
+            msg = str(e.orig)
+            if any(m in msg for m in ("authentication", "does not exist", "no password", "permission")):
+                return None  # a configuration error: retrying cannot help
+            lost = "cannot connect"  # refused, reset, server starting up: psycopg2 gives no code
+        elif code and (code.startswith("08") or code in ("57P01", "57P02", "57P03")):
+            lost = "disconnected"
+        if lost is not None:
+            return lost if reached or any(m in str(e.orig) for m in _SERVER_BUSY) else None
+        if code in ("40P01", "40001"):
+            return "deadlock or serialization failure"
+        return None
+
+
+def dialect_of(bind: Engine | Connection | URL) -> Dialect:
+    """The :class:`Dialect` of an engine, a connection or a URL."""
+    if isinstance(bind, URL):
+        return Dialect(bind.get_backend_name())
+    return Dialect(bind.dialect.name)
+

@@ -1,0 +1,190 @@
+"""Who this worker is in the database, and keeping its leases alive.
+
+:func:`register` takes a worker identity (taking over a dead predecessor's, with the items it
+held); :class:`Heartbeat` is the thread that renews this worker's leases, returns the items of
+workers that are gone (:mod:`wq_sql.liveness`) and of expired leases, and on SQLite checkpoints
+the WAL.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
+
+from wq_sql import ops
+from wq_sql.db import Db
+from wq_sql.errors import QueueNotFound, WorkerConflict, WqSqlError
+from wq_sql.identity import hostname, process_alive, process_start
+from wq_sql.liveness import why_gone
+
+log = logging.getLogger("wq_sql")
+CHECKPOINT_SECONDS = 1.0  # SQLite: how often the heartbeat thread checkpoints the WAL
+
+
+@dataclass(frozen=True)
+class Member:
+    """This process's hold on a worker identity: the row, and the incarnation that fences off
+    any earlier process of the same identity."""
+
+    worker_id: int
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The lease terms of one worker (see ``WorkQueue``'s keywords)."""
+
+    lease_seconds: float
+    heartbeat_seconds: float
+    max_item_seconds: Optional[float]
+    max_attempts: int
+
+    @property
+    def dead_after(self) -> float:
+        """Another process holds an identity until its heartbeat is this old."""
+        return ops.STALE_BEATS * self.heartbeat_seconds
+
+
+def register(db: Db, qid: int, queue: str, worker: str, terms: Terms) -> tuple[Member, list[ops.Claimed]]:
+    """Take the identity ``worker``, waiting briefly for a dead predecessor to be recognised as
+    dead; a live holder of the same identity is :class:`WorkerConflict`. Returns this process's
+    membership and the items a dead predecessor held, which it takes back (an attempt each)."""
+    incarnation = uuid.uuid4().hex
+    host, pid, start = hostname(), os.getpid(), process_start(os.getpid())
+    deadline = time.monotonic() + terms.dead_after + terms.heartbeat_seconds
+    d = db.dialect
+
+    def attempt(c: Connection) -> tuple[str, Any]:
+        wid = ops.insert_worker(c, d, qid, worker, incarnation, host, pid, start, terms.heartbeat_seconds)
+        if wid is not None:
+            return "ok", (wid, [])
+        row = ops.find_worker(c, qid, worker, lock=True)
+        if row is None:
+            raise QueueNotFound(f"queue {queue!r} was dropped while this worker joined it")
+        if row.heartbeat_at is not None:
+            if row.host == host:
+                if process_alive(row.pid, row.proc_start):
+                    return "live", row
+            else:
+                age = ops.heartbeat_age(c, d, row.id)
+                if age is not None and age < terms.dead_after:
+                    return "wait", row
+        ops.take_over_worker(c, d, row.id, incarnation, host, pid, start, terms.heartbeat_seconds)
+        return "ok", (row.id, ops.recover(c, d, qid, row.id, terms.lease_seconds, terms.max_attempts))
+
+    while True:
+        status, value = db.tx(attempt)
+        if status == "ok":
+            break
+        if status == "wait" and time.monotonic() < deadline:
+            time.sleep(min(0.5, terms.heartbeat_seconds))
+            continue
+        raise WorkerConflict(
+            f"worker {worker!r} of queue {queue!r} is already held by a live process "
+            f"(pid {value.pid} on {value.host}); give each process its own worker= "
+            "(or $WQ_SQL_WORKER), or stop the other one first")
+    worker_id, recovered = value
+    if recovered:
+        log.warning("worker %r recovered %d item(s) its previous process held", worker, len(recovered))
+    return Member(worker_id, incarnation), recovered
+
+
+def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> int:
+    """Return to the queue the items of workers that are gone (dead on this host, or not
+    heartbeating: :mod:`wq_sql.liveness`) and of expired leases. Returns how many."""
+    d, host = db.dialect, hostname()
+    holders = db.tx(lambda c: ops.holders_to_check(c, d, qid, me.worker_id, host), read=True)
+    total = 0
+    for h in holders:
+        gone = why_gone(h, host)
+        if gone is None:
+            continue
+        why, dead = gone
+        n = db.tx(functools.partial(ops.give_back_held, b=d, qid=qid, h=h, max_attempts=max_attempts,
+                                    why=why, dead=dead))
+        if n:
+            log.warning("queue %r: %s; the %d item(s) it held went back to the queue", queue, why, n)
+        total += n
+    n = db.tx(lambda c: ops.expire(c, d, qid, max_attempts))
+    if n:
+        log.info("queue %r: %d item(s) whose lease expired went back to the queue", queue, n)
+    return total + n
+
+
+# What the heartbeat asks its owner each beat: the lease tokens of every item it holds and how
+# many of them are buffered (not yet handed out), or None when it is closing. The argument is
+# the heartbeat's stop event: the owner stops waiting for its lock once it is set.
+Holding = Callable[[threading.Event], Optional[tuple[set[int], int]]]
+
+
+class Heartbeat:
+    """Renews this worker's leases every ``heartbeat_seconds`` and returns lost items
+    (:func:`return_lost`); on SQLite also checkpoints the WAL every ``CHECKPOINT_SECONDS``.
+    ``superseded()`` is called once another process took this identity over; ``returned()``
+    whenever items went back to the queue. The thread holds this object weakly: when its owner
+    is collected, the thread ends."""
+
+    def __init__(self, db: Db, qid: int, me: Member, terms: Terms, queue: str, *, holding: Holding,
+                 superseded: Callable[[], None], returned: Callable[[], None]) -> None:
+        self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
+        self._holding, self._superseded, self._returned = holding, superseded, returned
+        self.stop_event = threading.Event()
+        self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self.stop_event),
+                                        name=f"wq_sql-heartbeat-{queue}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stop_event.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+
+    def beat(self) -> None:
+        held = self._holding(self.stop_event)
+        if held is None:
+            return
+        tokens, buffered = held
+        d, t = self.db.dialect, self.terms
+        ok = self.db.tx(lambda c: ops.renew(c, d, self.me.worker_id, self.me.incarnation, sorted(tokens),
+                                            t.lease_seconds, t.max_item_seconds, buffered))
+        if not ok:
+            self._superseded()
+            return
+        if self.db.may_expire and return_lost(self.db, self.qid, self.me, t.max_attempts, self.queue):
+            self._returned()
+
+
+def _loop(ref: weakref.ref[Heartbeat], stop: threading.Event) -> None:
+    next_beat = 0.0
+    while True:
+        hb = ref()
+        if hb is None:
+            return
+        now = time.monotonic()
+        if not next_beat:
+            next_beat = now + hb.terms.heartbeat_seconds
+        wal = hb.db.dialect.wal_checkpoint is not None
+        del hb
+        if stop.wait(max(0.0, min(next_beat - now, CHECKPOINT_SECONDS) if wal else next_beat - now)):
+            return
+        hb = ref()
+        if hb is None:
+            return
+        try:
+            if wal:
+                hb.db.checkpoint_wal()
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + hb.terms.heartbeat_seconds
+                hb.beat()
+        except (DBAPIError, WqSqlError) as e:  # the next beat tries again; leases outlast several
+            log.warning("heartbeat of queue %r failed: %s", hb.queue, e)
+        del hb
