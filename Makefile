@@ -45,9 +45,10 @@ test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests/tf
 
-lint: $(VENV)/.test  ## ruff and mypy
+lint: $(VENV)/.test  ## ruff, mypy and the import contracts (pyproject.toml)
 	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
 	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
