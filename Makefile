@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf lint bench clean
+.PHONY: help demo test test-core test-tf lint bench stress clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -49,6 +49,11 @@ lint: $(VENV)/.test  ## ruff, mypy and the import contracts (pyproject.toml)
 	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU burners, 40 runs per backend (30-60 min)
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	$(BIN)/python tests/tf/stress_end_of_data.py --backend sqlite --runs 40 --burners 2 --hang 90 && \
+	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
 
 bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
 	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
