@@ -696,20 +696,21 @@ class WorkQueue:
         ``(id, token)`` like :meth:`complete`; the events and counters name the holder. Returns the
         items whose lease was lost (another worker holds or finished them), logged, not raised."""
         self._ensure_process()
-        db, qid = self._db, self._qid
         with self._lock:
             self._check_usable()
-        work = [(holder, list(items)) for holder, items in handed.items() if items]
+        work = [(holder, [i.key for i in items]) for holder, items in handed.items() if items]
 
-        def done(c: Connection) -> set[int]:
+        def done(conn: Any) -> set[int]:
+            # The claim round's acknowledgement, claiming nothing: the hot path's statement,
+            # several times cheaper per item than ops.complete.
             accepted: set[int] = set()
-            for holder, items in work:
-                accepted |= ops.complete(c, db.dialect, qid, holder, [i.key for i in items])
+            for holder, keys in work:
+                accepted |= self._round.run(conn, self._qid, holder, keys, 0)[0]
             return accepted
 
-        accepted = db.tx(done) if work else set()
+        accepted = self._db.driver_tx(done) if work else set()
         with self._lock:
-            return self._book.settle([i for _, items in work for i in items], accepted, self.name)
+            return self._book.settle([i for items in handed.values() for i in items], accepted, self.name)
 
     # ------------------------------------------------------------------ progress and lifecycle
 
