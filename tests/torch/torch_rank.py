@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +73,13 @@ def main() -> None:
     if job.get("dist"):
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    if job.get("start_line"):  # wait until every rank is ready, so that all share the queue
+        world = int(os.environ["WORLD_SIZE"])
+        Path(f"{job['log']}.ready{rank}").touch()
+        deadline = time.monotonic() + 120
+        while len(list(Path(job["log"]).parent.glob(Path(job["log"]).name + ".ready*"))) < world:
+            assert time.monotonic() < deadline, "the other ranks never got ready"
+            time.sleep(0.02)
     steps = 0
     per_epoch: list[int] = []
     with open(f"{job['log']}.rank{rank}", "a", buffering=1) as log:
