@@ -77,5 +77,14 @@ bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; need
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
 
+bench-torch: $(VENV)/.torch  ## the PyTorch DataLoader benchmarks of BENCHMARKS.md (about 5 minutes; needs PostgreSQL)
+	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
+	for b in sqlite postgresql; do \
+	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 9 --lease-ahead 64 256 && \
+	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 5 --lines 1000 --lease-ahead 64 256 && \
+	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 5 --persistent --epochs 5 --lease-ahead 256 && \
+	  $(BIN)/python bench/torch_loader.py long-tail --backend $$b --runs 3 || exit 1; \
+	done
+
 clean:  ## remove the venv, local databases and the demo's timeline
 	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html
