@@ -433,6 +433,18 @@ def close_worker(conn: Connection, worker_id: int, incarnation: str) -> None:
                  .values(heartbeat_at=None))
 
 
+def leave(conn: Connection, b: Dialect, qid: int, worker_id: int, incarnation: str, *,
+          done: Sequence[tuple[int, int]], give_back: Sequence[tuple[int, int]],
+          failing: Sequence[tuple[int, int]], error: str, max_attempts: int) -> set[int]:
+    """A worker leaves cleanly: its ``done`` items are completed, ``give_back`` released,
+    ``failing`` failed with ``error``, and its row says it closed. Returns the accepted acks."""
+    accepted = complete(conn, b, qid, worker_id, done)
+    release(conn, b, qid, worker_id, give_back)
+    fail(conn, b, qid, worker_id, failing, error, max_attempts)
+    close_worker(conn, worker_id, incarnation)
+    return accepted
+
+
 def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_seconds: float,
             max_attempts: int) -> list[Claimed]:
     """A restarted worker takes back the items its dead predecessor still held, before their lease
