@@ -58,8 +58,8 @@ still has data, so all workers run the same number of steps (the last with parti
 batches) and end together (``tests/tf/test_tf_sync.py``). ``synchronous=True`` ends a worker's
 data as soon as nothing is claimable and other workers hold the rest, instead of waiting for
 those items (by default a worker waits, because a dead worker's items come back): a peer
-blocked in a collective that waits for this worker would never finish them, a deadlock that
-hung this test in 4 of ~55 runs without it. The price: if a peer dies holding items, the job
+blocked in a collective that waits for this worker would never finish them (a deadlock:
+``docs/design.md``, "History"). The price: if a peer dies holding items, the job
 (which a synchronous strategy cannot continue anyway) is restarted and they are taken then.
 Keras 3's ``model.fit`` did not run under that strategy with two workers in the tested
 TensorFlow 2.21 even on a plain ``tf.data.Dataset`` (a ``ValueError`` converting ``PerReplica``
