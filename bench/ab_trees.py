@@ -90,6 +90,15 @@ def main(argv: list[str]) -> int:
         b = statistics.median(r[key] for r in results["before"] if key in r)
         x = statistics.median(r[key] for r in results["after"] if key in r)
         print(f"  {' '.join(map(str, key)):40s} before {b:12,.2f}  after {x:12,.2f}  after/before {x / b:.3f}")
+    if a.bench == "claim":
+        # Each run's wq_sql rate against the raw driver measured beside it: drift of the machine
+        # between the two trees' runs cancels out of this one.
+        print("\nwq_sql / raw within each run, medians over rounds:")
+        for key in sorted({k[:3] for k in results["after"][0]}):
+            r = {side: statistics.median(d[(*key, "wq_sql")] / d[(*key, "raw")] for d in results[side]
+                                         if (*key, "wq_sql") in d and (*key, "raw") in d)
+                 for side in ("before", "after")}
+            print(f"  {' '.join(map(str, key)):40s} before {r['before']:.2f}  after {r['after']:.2f}")
     return 0
 
 
