@@ -51,7 +51,10 @@ out. The rules, the race with TensorFlow's threads and the bounds: ``docs/design
 
 Synchronous training (``MultiWorkerMirroredStrategy``): workers take different numbers of items,
 so their data ends unevenly, and a worker that stops stepping leaves the others waiting in a
-collective. Construct the queue with ``synchronous=True`` and iterate the dataset through
+collective. The queue uses the synchronous end by itself when the job looks synchronous
+(:func:`synchronous_training`: a multi-worker strategy in scope, or ``$TF_CONFIG`` naming two or
+more workers and no parameter server); ``synchronous=True``/``False`` overrides that. Iterate the
+dataset through
 ``strategy.experimental_distribute_dataset(...)`` (or ``distribute_datasets_from_function``) in a
 custom loop: TensorFlow's distributed iterator all-reduces at each step whether every worker
 still has data, so all workers run the same number of steps (the last with partial or empty
@@ -69,7 +72,9 @@ values), so it is not covered. No other end-together mechanism is provided.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import re
 import threading
 from typing import Any, Optional
@@ -84,7 +89,7 @@ from wq_sql.queue import WorkQueue as _CoreQueue
 from wq_sql.tf_checkpoint import CheckpointListener, CheckpointManager, checkpoint_step
 from wq_sql.tf_readers import TableRecordReader, item_dataset, records_dataset
 
-__all__ = ["WorkQueue", "CheckpointManager", "CheckpointListener", "checkpoint_step",
+__all__ = ["WorkQueue", "CheckpointManager", "CheckpointListener", "checkpoint_step", "synchronous_training",
            "TableRecordReader", "records_dataset", "item_dataset"]
 
 log = logging.getLogger("wq_sql")
@@ -111,7 +116,7 @@ class WorkQueue:
     :meth:`close` / leaving a ``with`` block).
     """
 
-    def __init__(self, *args: Any, consumed: str = "taken", synchronous: bool = False,
+    def __init__(self, *args: Any, consumed: str = "taken", synchronous: Optional[bool] = None,
                  **kwargs: Any) -> None:
         if consumed not in ("taken", "checkpoint"):
             raise ValueError(f"consumed must be 'taken' (DeepRec) or 'checkpoint', got {consumed!r}")
@@ -121,7 +126,8 @@ class WorkQueue:
                                  "next take: leave auto_complete unset")
             kwargs["auto_complete"] = False
         self.consumed = consumed
-        self.synchronous = bool(synchronous)
+        # None: chosen by the job's shape (synchronous_training()); the flag overrides it.
+        self.synchronous = synchronous_training() if synchronous is None else bool(synchronous)
         # What checkpoints cover of this object's hand-outs (consumed='checkpoint'): wq_sql.ledger.
         self.ledger = Ledger()
         self.queue = _CoreQueue(*args, **kwargs)
@@ -509,6 +515,28 @@ class WorkQueue:
 DEFAULT_READ_AHEAD = 8
 """Items, plus one hand-out: enough when one item is read at a time and the buffers after the
 reader (shuffle, batch, prefetch, Keras' own) hold fewer records than 7 items have."""
+
+
+def synchronous_training() -> bool:
+    """Whether this process looks like one worker of synchronous data-parallel training, whose
+    workers meet in collectives: a strategy in scope that spans several workers
+    (``MultiWorkerMirroredStrategy`` and kin), or ``$TF_CONFIG`` describing a cluster of two or
+    more ``worker``/``chief`` tasks and no ``ps`` task (a parameter-server job trains
+    asynchronously: its workers never wait for each other, so waiting for a peer's items is
+    safe there, and DeepRec's default)."""
+    if tf.distribute.has_strategy():
+        extended = tf.distribute.get_strategy().extended
+        multi = getattr(extended, "_in_multi_worker_mode", None)  # TF's own test, private
+        if callable(multi) and multi():
+            return True
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(cluster, dict) or cluster.get("ps"):
+        return False
+    workers = sum(len(cluster.get(kind) or []) for kind in ("worker", "chief"))
+    return workers >= 2
 
 
 class _Cancelled(Exception):
