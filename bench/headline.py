@@ -352,9 +352,9 @@ def main(argv: list[str]) -> int:
                 r.step = s.name
             rows.extend(got)
     total = time.monotonic() - t0
-    # SQLite rows first, then Postgres, in the order of BENCHMARKS.md's summary
+    # in the order of BENCHMARKS.md's summary (stable: within a group, the order the steps ran)
     order = {"claims": 0, "tf": 1, "tail": 2, "rollover": 3}
-    rows.sort(key=lambda r: (order.get(r.step, 9), "Postgres" in r.target))
+    rows.sort(key=lambda r: order.get(r.step, 9))
 
     print(f"\n\n## Headline run, {started:%Y-%m-%d %H:%M} UTC, rev {git_rev()}: {total / 60:.1f} min, "
           f"load (1-min) {min(loads):.1f}-{max(loads):.1f} on {CORES} cores\n")
