@@ -260,12 +260,19 @@ def run_step(step: Step, pg: str, tmp: Path, timeout: float) -> tuple[Optional[A
                                 cwd=BENCH.parent, env=env, start_new_session=True)
         timed_out = threading.Event()
 
-        def kill() -> None:
-            timed_out.set()
+        def signal_group(sig: int) -> None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, sig)
 
-        timer = threading.Timer(timeout, kill)
+        def stop() -> None:
+            # SIGINT first, so that the benchmark's finally blocks drop its scratch databases;
+            # SIGKILL if it has not gone 20 s later
+            timed_out.set()
+            signal_group(signal.SIGINT)
+            hard.start()
+
+        hard = threading.Timer(20.0, signal_group, (signal.SIGKILL,))
+        timer = threading.Timer(timeout, stop)
         timer.start()
         tail: list[str] = []
         try:
@@ -277,8 +284,9 @@ def run_step(step: Step, pg: str, tmp: Path, timeout: float) -> tuple[Optional[A
         finally:
             timer.cancel()
             if proc.poll() is None:  # interrupted: take the benchmark's processes with us
-                kill()
+                signal_group(signal.SIGKILL)
                 proc.wait()
+            hard.cancel()
     seconds = time.monotonic() - t0
     if timed_out.is_set():
         return None, f"stopped after the step's time limit ({timeout:.0f} s)", seconds
