@@ -56,7 +56,7 @@ stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU bur
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
 
 # $WQ_SQL_BENCH_PG, when set, is the Postgres admin URL the benchmarks use; else ensure-postgres finds one.
-bench: $(VENV)/.tf  ## the headline benchmarks (claims, long tail, TF, SQLite roll-over; ~10 min) and their summary table
+bench: $(VENV)/.tf  ## the headline benchmarks (claims, long tail, TF, SQLite roll-over; 5-10 min) and their summary table
 	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
 	$(BIN)/python bench/headline.py
 

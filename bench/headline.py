@@ -1,5 +1,5 @@
 """The headline benchmarks (``make bench``): the targets of BENCHMARKS.md's summary that fit in
-about ten minutes on a 2-core machine, each benchmark run as its own subprocess with its
+5-10 minutes on a 2-core machine, each benchmark run as its own subprocess with its
 ``--json`` output, then one table: target, goal, measured ratio, verdict.
 
     .venv/bin/python bench/headline.py                       # everything, both backends
