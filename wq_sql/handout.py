@@ -102,7 +102,9 @@ class Dispenser:
                 if book.buffer:
                     got = book.hand_out(n)
                     self.pace.handed_out(time.monotonic())
-                    r = self.refills() if self.rules.claim_ahead else None
+                    # Claim ahead only once the buffer is empty: a round then claims up to
+                    # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
+                    r = self.refills() if self.rules.claim_ahead and not book.buffer else None
                     if r is not None:
                         r.schedule(self.pace)
                     return got
