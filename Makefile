@@ -16,8 +16,8 @@ $(BIN)/python:
 # our migrations/ folder maps into the package, so it installs an import hook); nothing to act on.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e
 
-# Stamps: the package alone (demo, bench); with the test tools (lint, test-core); with them and
-# TensorFlow (test, test-tf).
+# Stamps: the package alone (demo, bench); with the test tools (test-core); with them and
+# TensorFlow (test, test-tf); with them and PyTorch (lint, test, test-torch).
 $(VENV)/.pkg: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) .
 	touch $@
@@ -30,22 +30,31 @@ $(VENV)/.tf: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) ".[test,tf,plot]"
 	touch $@
 
+# PyTorch, CPU only: the torch extra's range resolves to the CPU wheel kept on disk here.
+$(VENV)/.torch: $(BIN)/python pyproject.toml
+	$(PIP_INSTALL) ".[test,torch]"
+	touch $@
+
 demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 	$(BIN)/python examples/long_tail_demo.py
 
-test: $(VENV)/.tf  ## set up and run every test (SQLite and PostgreSQL, core and TensorFlow)
+test: $(VENV)/.tf $(VENV)/.torch  ## set up and run every test (SQLite and PostgreSQL; core, TensorFlow, PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests
 
-test-core: $(VENV)/.test  ## the core suite only (no TensorFlow)
+test-core: $(VENV)/.test  ## the core suite only (no TensorFlow, no PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
-	$(BIN)/python -m pytest tests --ignore=tests/tf
+	$(BIN)/python -m pytest tests --ignore=tests/tf --ignore=tests/torch
 
 test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests/tf
 
-lint: $(VENV)/.test  ## ruff, mypy and the import contracts (pyproject.toml)
+test-torch: $(VENV)/.torch  ## the PyTorch shim's tests only
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	$(BIN)/python -m pytest tests/torch
+
+lint: $(VENV)/.torch  ## ruff, mypy (torch installed: wq_sql.torch is checked against it) and the import contracts
 	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
