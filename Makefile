@@ -35,10 +35,12 @@ demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 
 test: $(VENV)/.tf  ## set up and run every test (SQLite and PostgreSQL, core and TensorFlow)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests
 
 test-core: $(VENV)/.test  ## the core suite only (no TensorFlow)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests --ignore=tests/tf
 
 test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
