@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf lint bench stress clean
+.PHONY: help demo test test-core test-tf lint bench bench-cluster stress clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -40,10 +40,12 @@ demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 
 test: $(VENV)/.tf $(VENV)/.torch  ## set up and run every test (SQLite and PostgreSQL; core, TensorFlow, PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests
 
 test-core: $(VENV)/.test  ## the core suite only (no TensorFlow, no PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests --ignore=tests/tf --ignore=tests/torch
 
 test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
@@ -76,6 +78,10 @@ bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; need
 	$(BIN)/python bench/scale.py memory --backend sqlite && $(BIN)/python bench/scale.py memory --backend postgresql && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
+
+bench-cluster: $(VENV)/.pkg  ## 100, 500 and 2,000 workers through PgBouncer, and the long tail of 200 (about 15 min; needs initdb, pgbouncer)
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh)" && export WQ_SQL_PGBOUNCER && \
+	$(BIN)/python bench/cluster_scale.py scale && $(BIN)/python bench/cluster_scale.py tail
 
 clean:  ## remove the venv, local databases and the demo's timeline
 	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html

@@ -128,7 +128,9 @@ class Dispenser:
         polls = 0
         db = self.db
         while True:
-            next_poll = time.monotonic() + pause * (0.5 + random.random())
+            # Jittered while backing off (waiters started together drift apart), then every
+            # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
+            next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
             with self.lock:
                 while True:
                     if self.book.buffer or self.news != news or self.closed:

@@ -113,8 +113,8 @@ class WorkQueue:
       writers (then :class:`DatabaseBusy`) or while a database connection is lost (then the
       driver's error).
     - ``schema``: the PostgreSQL schema that holds the tables (teams sharing one database).
-    - ``engine``: an SQLAlchemy engine of your own instead of one made from ``url`` (e.g.
-      ``make_engine(resolve_url(url), startup_options=False)`` behind PgBouncer).
+    - ``engine``: an SQLAlchemy engine of your own instead of one made from ``url`` (not needed
+      behind PgBouncer: a plain URL works in transaction mode, see ``wq_sql.pooling``).
     - ``claim_ahead=False``: claim the next item in a background thread shortly before this
       worker is expected to take it (by its own pace), so ``take()`` rarely waits for the
       database (see :mod:`wq_sql.pacer`).
