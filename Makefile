@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf lint bench bench-all stress clean
+.PHONY: help demo test test-core test-tf lint bench bench-all bench-cluster stress clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -16,8 +16,8 @@ $(BIN)/python:
 # our migrations/ folder maps into the package, so it installs an import hook); nothing to act on.
 PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e
 
-# Stamps: the package alone (demo, bench); with the test tools (lint, test-core); with them and
-# TensorFlow (test, test-tf).
+# Stamps: the package alone (demo, bench); with the test tools (test-core); with them and
+# TensorFlow (test, test-tf); with them and PyTorch (lint, test, test-torch).
 $(VENV)/.pkg: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) .
 	touch $@
@@ -30,22 +30,33 @@ $(VENV)/.tf: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) ".[test,tf,plot]"
 	touch $@
 
+# PyTorch, CPU only: the torch extra's range resolves to the CPU wheel kept on disk here.
+$(VENV)/.torch: $(BIN)/python pyproject.toml
+	$(PIP_INSTALL) ".[test,torch]"
+	touch $@
+
 demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 	$(BIN)/python examples/long_tail_demo.py
 
-test: $(VENV)/.tf  ## set up and run every test (SQLite and PostgreSQL, core and TensorFlow)
+test: $(VENV)/.tf $(VENV)/.torch  ## set up and run every test (SQLite and PostgreSQL; core, TensorFlow, PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests
 
-test-core: $(VENV)/.test  ## the core suite only (no TensorFlow)
+test-core: $(VENV)/.test  ## the core suite only (no TensorFlow, no PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
-	$(BIN)/python -m pytest tests --ignore=tests/tf
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
+	$(BIN)/python -m pytest tests --ignore=tests/tf --ignore=tests/torch
 
 test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests/tf
 
-lint: $(VENV)/.test  ## ruff, mypy and the import contracts (pyproject.toml)
+test-torch: $(VENV)/.torch  ## the PyTorch shim's tests only
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	$(BIN)/python -m pytest tests/torch
+
+lint: $(VENV)/.torch  ## ruff, mypy (torch installed: wq_sql.torch is checked against it) and the import contracts
 	$(BIN)/ruff check wq_sql tests examples migrations bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
@@ -72,6 +83,10 @@ bench-all: $(VENV)/.pkg  ## the long benchmark set of BENCHMARKS.md (about 2 hou
 	$(BIN)/python bench/scale.py memory --backend sqlite && $(BIN)/python bench/scale.py memory --backend postgresql && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
+
+bench-cluster: $(VENV)/.pkg  ## 100, 500 and 2,000 workers through PgBouncer, and the long tail of 200 (about 15 min; needs initdb, pgbouncer)
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh)" && export WQ_SQL_PGBOUNCER && \
+	$(BIN)/python bench/cluster_scale.py scale && $(BIN)/python bench/cluster_scale.py tail
 
 clean:  ## remove the venv, local databases and the demo's timeline
 	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html

@@ -102,7 +102,9 @@ class Dispenser:
                 if book.buffer:
                     got = book.hand_out(n)
                     self.pace.handed_out(time.monotonic())
-                    r = self.refills() if self.rules.claim_ahead else None
+                    # Claim ahead only once the buffer is empty: a round then claims up to
+                    # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
+                    r = self.refills() if self.rules.claim_ahead and not book.buffer else None
                     if r is not None:
                         r.schedule(self.pace)
                     return got
@@ -126,7 +128,9 @@ class Dispenser:
         polls = 0
         db = self.db
         while True:
-            next_poll = time.monotonic() + pause * (0.5 + random.random())
+            # Jittered while backing off (waiters started together drift apart), then every
+            # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
+            next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
             with self.lock:
                 while True:
                     if self.book.buffer or self.news != news or self.closed:

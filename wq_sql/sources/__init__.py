@@ -33,6 +33,7 @@ from wq_sql.errors import InvalidInput
 from wq_sql.plan import PlannedItem, allocate, slice_name
 from wq_sql.sources.base import Slice, Source
 from wq_sql.sources.lines import LinesSource
+from wq_sql.sources.range import RangeSource
 from wq_sql.sources.redact import redact
 from wq_sql.sources.table import TableSource, register_database
 
@@ -117,6 +118,7 @@ def read_slice(bounds: str, engine: Engine, **options: Any) -> Iterator[Any]:
 
 register_source(TableSource())
 register_source(LinesSource())
+register_source(RangeSource())
 
 __all__ = ["Slice", "Source", "PlannedItem", "register_source", "register_database", "source_for",
            "plan_items", "read_slice"]

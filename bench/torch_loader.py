@@ -1,0 +1,247 @@
+"""PyTorch's DataLoader fed by wq_sql (issue 18): throughput, and the long tail of torchrun ranks.
+
+    .venv/bin/python bench/torch_loader.py throughput --backend sqlite          # 1,000 files x 100 records
+    .venv/bin/python bench/torch_loader.py throughput --backend postgresql --lease-ahead 64 256
+    .venv/bin/python bench/torch_loader.py throughput --persistent --epochs 5   # the steady state
+    .venv/bin/python bench/torch_loader.py long-tail --backend postgresql       # 4 ranks, one 4x slower
+
+``throughput``: records/s of ``wq_sql.torch.DataLoader(QueueDataset(files, read=read_lines),
+num_workers=2, batch_size=256)`` against the same ``torch.utils.data.DataLoader`` over a static
+file list (an ``IterableDataset`` whose worker ``k`` of ``n`` reads ``files[k::n]``), run after
+run, alternating, each wq_sql run on a fresh queue (creating it is not timed, as in
+``bench/tf_textline.py``). Each run is ``--epochs`` passes, timed from ``iter(loader)`` to the end
+of the last pass, so the DataLoader workers' start (and each worker process opening the queue)
+is inside the time, as users pay it. Ratio = median(static seconds) / median(wq_sql seconds).
+
+``long-tail``: ``--ranks`` processes with torchrun's environment (gloo for the start line and
+the results), the last one 4x slower per batch (a sleep: its GPU, or its machine, is slower), no
+gradient all-reduce (an offline job or asynchronous training: ranks that do not wait for each
+other). Each rank reads one file per batch with ``num_workers`` DataLoader workers (persistent),
+first through ``DistributedSampler`` (static: every rank the same number of files), then through
+wq_sql, ``--epochs`` passes each. Makespan = last rank's end - the common start, measured for
+both; ideal = the batches' sleep time shared perfectly (total work / total speed). The machines
+here are shared and have 2 cores: read ratios from the same run, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _common import PG_ADMIN, git_rev, machine, scratch  # noqa: E402
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
+
+import wq_sql  # noqa: E402
+from wq_sql.torch import DataLoader, QueueDataset  # noqa: E402
+
+
+def write_files(directory: Path, n_files: int, n_lines: int) -> list[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n_files):
+        path = directory / f"part-{i:05d}.txt"
+        if not path.exists():
+            path.write_text("".join(f"{i},{j},{(i * 31 + j) % 97},some payload text\n" for j in range(n_lines)))
+        paths.append(str(path))
+    return paths
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+class StaticFiles(IterableDataset):  # type: ignore[type-arg]
+    """The reference: DataLoader worker ``k`` of ``n`` reads ``files[k::n]``."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        mine = self.files if info is None else self.files[info.id::info.num_workers]
+        for path in mine:
+            yield from read_lines(path)
+
+
+def timed_passes(loader: Any, epochs: int, expect: int) -> float:
+    t = time.perf_counter()
+    for _ in range(epochs):
+        n = sum(len(batch) for batch in loader)
+        assert n == expect, (n, expect)
+    return time.perf_counter() - t
+
+
+def throughput(a: argparse.Namespace) -> None:
+    data = Path(tempfile.gettempdir(), f"wq_bench_torch_{a.files}x{a.lines}")
+    files = write_files(data, a.files, a.lines)
+    records = a.files * a.lines
+    workers: dict[str, Any] = {"batch_size": a.batch, "num_workers": a.workers}
+    if a.persistent:
+        workers["persistent_workers"] = True
+    print(f"== throughput: {a.files} files x {a.lines} records, {a.epochs} epoch(s) per run, DataLoader("
+          f"num_workers={a.workers}, batch_size={a.batch}{', persistent_workers=True' if a.persistent else ''}), "
+          f"{a.runs} runs per side, backend {a.backend}")
+    with scratch(a.backend, a.pg, "torch") as url:
+        rows = []
+        for la in a.lease_ahead:
+            static_s: list[float] = []
+            queue_s: list[float] = []
+            for _ in range(a.runs):
+                static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs, records))
+                name = f"tp_{uuid.uuid4().hex[:8]}"
+                ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
+                                  lease_ahead=la, worker="bench")
+                queue_s.append(timed_passes(DataLoader(ds, **workers), a.epochs, records))
+                ds.close()
+                wq_sql.drop_queue(name, url)
+            ms, mq = statistics.median(static_s), statistics.median(queue_s)
+            rows.append((la, ms, mq, min(static_s), min(queue_s)))
+        print(f"{'lease_ahead':>11}  {'static (median)':>15}  {'wq_sql (median)':>15}  {'ratio':>6}  "
+              f"{'ratio of best runs':>18}  {'records/s wq_sql':>16}")
+        for la, ms, mq, bs, bq in rows:
+            print(f"{la:>11}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  {bs / bq:>17.2f}x  "
+                  f"{records * a.epochs / mq:>16,.0f}")
+
+
+# ---------------------------------------------------------------- long tail
+
+
+class Files(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> list[str]:
+        return read_lines(self.files[i])
+
+
+def rank_main(job: dict[str, Any]) -> None:
+    """One rank of ``long-tail`` (started by :func:`long_tail` with torchrun's environment)."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seconds = job["seconds"] * (job["slow"] if rank == world - 1 else 1)
+    workers = {"num_workers": job["workers"], "persistent_workers": True, "prefetch_factor": job["prefetch"]}
+    files = job["files"]
+
+    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int]:
+        n = 0
+        dist.barrier()
+        start = time.time()
+        for epoch in range(job["epochs"]):
+            if set_epoch is not None:
+                set_epoch(epoch)
+            for _ in loader:
+                time.sleep(seconds)
+                n += 1
+        return start, time.time(), n
+
+    sampler = torch.utils.data.DistributedSampler(Files(files), shuffle=True, seed=1)
+    static = run(TorchLoader(Files(files), batch_size=None, sampler=sampler, **workers), sampler.set_epoch)
+    ds = QueueDataset(files, num_epochs=job["epochs"], name=job["queue"], url=job["url"], read=read_lines,
+                      lease_ahead=job["lease_ahead"], seed=1)
+    queued = run(DataLoader(ds, batch_size=job["lines"], **workers))
+    results: list[Any] = [None] * world
+    dist.all_gather_object(results, {"seconds": seconds, "static": static, "queue": queued})
+    ds.close()
+    dist.barrier()
+    if rank == 0:
+        print(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def long_tail(a: argparse.Namespace) -> None:
+    data = Path(tempfile.gettempdir(), f"wq_bench_torch_{a.files}x{a.lines}")
+    files = write_files(data, a.files, a.lines)
+    print(f"== long tail: {a.ranks} ranks, rank {a.ranks - 1} {a.slow:g}x slower ({a.seconds * 1000:.0f} ms per "
+          f"batch of one file, {a.seconds * a.slow * 1000:.0f} ms on the slow rank), {a.files} files x "
+          f"{a.epochs} epochs, DataLoader(num_workers={a.workers}, prefetch_factor={a.prefetch}, persistent), "
+          f"lease_ahead={a.lease_ahead}, backend {a.backend}, {a.runs} run(s)")
+    print(f"{'run':>3}  {'DistributedSampler':>18}  {'wq_sql':>8}  {'ideal':>6}  {'wq_sql/ideal':>12}  "
+          f"{'static/ideal':>12}  files per rank (wq_sql)")
+    with scratch(a.backend, a.pg, "torchlt") as url:
+        for run in range(a.runs):
+            queue = f"lt_{uuid.uuid4().hex[:8]}"
+            job = {"files": files, "lines": a.lines, "epochs": a.epochs, "seconds": a.seconds, "slow": a.slow,
+                   "workers": a.workers, "prefetch": a.prefetch, "lease_ahead": a.lease_ahead, "url": url,
+                   "queue": queue}
+            port = _free_port()
+            procs = []
+            for r in range(a.ranks):
+                env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(a.ranks),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": queue,
+                       "OMP_NUM_THREADS": "1"}
+                procs.append(subprocess.Popen([sys.executable, __file__, "rank", json.dumps(job)], env=env,
+                                              stdout=subprocess.PIPE, text=True))
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+            assert all(p.returncode == 0 for p in procs), "a rank failed"
+            results = json.loads(outs[0].strip().splitlines()[-1])
+            wq_sql.drop_queue(queue, url)
+            span = {k: max(r[k][1] for r in results) - min(r[k][0] for r in results) for k in ("static", "queue")}
+            ideal = len(files) * a.epochs / sum(1 / r["seconds"] for r in results)
+            counts = [r["queue"][2] for r in results]
+            print(f"{run:>3}  {span['static']:>16.2f} s  {span['queue']:>6.2f} s  {ideal:>4.2f} s  "
+                  f"{span['queue'] / ideal:>11.2f}x  {span['static'] / ideal:>11.2f}x  {counts}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["rank"]:
+        return rank_main(json.loads(sys.argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    for name in ("throughput", "long-tail"):
+        p = sub.add_parser(name)
+        p.add_argument("--backend", choices=["sqlite", "postgresql"], default="sqlite")
+        p.add_argument("--pg", default=PG_ADMIN, help="Postgres admin URL (a scratch database is made there)")
+        p.add_argument("--runs", type=int, default=7 if name == "throughput" else 1)
+        p.add_argument("--epochs", type=int, default=1 if name == "throughput" else 2)
+        p.add_argument("--lines", type=int, default=100)
+        p.add_argument("--workers", type=int, default=2 if name == "throughput" else 1)
+    tp = sub.choices["throughput"]
+    tp.add_argument("--files", type=int, default=1000)
+    tp.add_argument("--batch", type=int, default=256)
+    tp.add_argument("--lease-ahead", type=int, nargs="+", default=[64])
+    tp.add_argument("--persistent", action="store_true")
+    lt = sub.choices["long-tail"]
+    lt.add_argument("--files", type=int, default=400)
+    lt.add_argument("--ranks", type=int, default=4)
+    lt.add_argument("--slow", type=float, default=4.0)
+    lt.add_argument("--seconds", type=float, default=0.01, help="per batch (one file) on a fast rank")
+    lt.add_argument("--prefetch", type=int, default=1)
+    lt.add_argument("--lease-ahead", type=int, default=1)
+    a = ap.parse_args()
+    info = machine()
+    print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['load1']}, python {info['python']}, "
+          f"sqlite {info['sqlite']}, postgres {info['postgres']}, torch {torch.__version__}, "
+          f"commit {git_rev()}")
+    if a.what == "throughput":
+        throughput(a)
+    else:
+        long_tail(a)
+
+
+if __name__ == "__main__":
+    main()
