@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf lint bench bench-cluster stress clean
+.PHONY: help demo test test-core test-tf lint bench bench-all bench-cluster stress clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -66,8 +66,13 @@ stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU bur
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend sqlite --runs 40 --burners 2 --hang 90 && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
 
-bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
-	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
+# $WQ_SQL_BENCH_PG, when set, is the Postgres admin URL the benchmarks use; else ensure-postgres finds one.
+bench: $(VENV)/.tf  ## the headline benchmarks (claims, long tail, TF, SQLite roll-over; 5-10 min) and their summary table
+	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
+	$(BIN)/python bench/headline.py
+
+bench-all: $(VENV)/.pkg  ## the long benchmark set of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
+	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
 	$(BIN)/python bench/claim_throughput.py && $(BIN)/python bench/long_tail.py && \
 	$(BIN)/python bench/long_tail.py --backend postgresql && \
 	$(BIN)/python bench/scale.py create --backend sqlite && $(BIN)/python bench/scale.py create --backend postgresql && \

@@ -285,6 +285,14 @@ class Template:
             self.db = f"wq_bench_tmpl_{uuid.uuid4().hex[:8]}"
             self._admin(f'CREATE DATABASE "{self.db}"')
             self.url = pg_url(admin, self.db)
+        try:
+            self._fill(size)
+        except BaseException:  # e.g. interrupted (make bench's time limit): leave no database behind
+            self.drop()
+            raise
+
+    def _fill(self, size: int) -> None:
+        backend = self.backend
         t = time.perf_counter()
         wq = WorkQueue([f"part-{i:07d}" for i in range(size)], num_epochs=1, shuffle=False, seed=1,
                        name=QUEUE, url=self.url, worker="creator")
