@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf lint bench stress clean
+.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -40,10 +40,12 @@ demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 
 test: $(VENV)/.tf $(VENV)/.torch  ## set up and run every test (SQLite and PostgreSQL; core, TensorFlow, PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests
 
 test-core: $(VENV)/.test  ## the core suite only (no TensorFlow, no PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
 	$(BIN)/python -m pytest tests --ignore=tests/tf --ignore=tests/torch
 
 test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only
@@ -64,8 +66,13 @@ stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU bur
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend sqlite --runs 40 --burners 2 --hang 90 && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
 
-bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
-	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
+# $WQ_SQL_BENCH_PG, when set, is the Postgres admin URL the benchmarks use; else ensure-postgres finds one.
+bench: $(VENV)/.tf  ## the headline benchmarks (claims, long tail, TF, SQLite roll-over; 5-10 min) and their summary table
+	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
+	$(BIN)/python bench/headline.py
+
+bench-all: $(VENV)/.pkg  ## the long benchmark set of BENCHMARKS.md (about 2 hours; needs PostgreSQL and initdb)
+	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
 	$(BIN)/python bench/claim_throughput.py && $(BIN)/python bench/long_tail.py && \
 	$(BIN)/python bench/long_tail.py --backend postgresql && \
 	$(BIN)/python bench/scale.py create --backend sqlite && $(BIN)/python bench/scale.py create --backend postgresql && \
@@ -78,13 +85,17 @@ bench: $(VENV)/.pkg  ## run the benchmarks of BENCHMARKS.md (about 2 hours; need
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
 
 bench-torch: $(VENV)/.torch  ## the PyTorch DataLoader benchmarks of BENCHMARKS.md (about 5 minutes; needs PostgreSQL)
-	WQ_SQL_BENCH_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_BENCH_PG && \
+	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
 	for b in sqlite postgresql; do \
 	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 9 --lease-ahead 64 256 && \
 	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 5 --lines 1000 --lease-ahead 64 256 && \
 	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 5 --persistent --epochs 5 --lease-ahead 256 && \
 	  $(BIN)/python bench/torch_loader.py long-tail --backend $$b --runs 3 || exit 1; \
 	done
+
+bench-cluster: $(VENV)/.pkg  ## 100, 500 and 2,000 workers through PgBouncer, and the long tail of 200 (about 15 min; needs initdb, pgbouncer)
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh)" && export WQ_SQL_PGBOUNCER && \
+	$(BIN)/python bench/cluster_scale.py scale && $(BIN)/python bench/cluster_scale.py tail
 
 clean:  ## remove the venv, local databases and the demo's timeline
 	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html

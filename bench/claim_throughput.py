@@ -13,6 +13,11 @@ three alike):
 * ``raw_same`` wq_sql's own round (``claim.ClaimRound``: + events and per-worker counters) issued
                through the raw driver: the gap to ``wq_sql`` is the library's Python overhead, the
                gap between ``raw`` and ``raw_same`` is the price of the audit trail.
+* ``wq_startup`` (Postgres, opt-in: ``--variants wq_sql,wq_startup``) ``wq_sql`` on an engine that
+               sends its timeouts as libpq startup options (``make_engine(startup_options=True)``,
+               direct connections only) instead of setting them in every transaction (the
+               default, which works through PgBouncer): ``wq_sql / wq_startup`` is the price of
+               one ``set_config(..., true)`` round trip per transaction.
 
 Reported: items/s (sum over processes), ratio to ``raw``, p50/p99 latency of a round trip (a
 ``take()`` that went to the database; for raw, one round). Medians over repeats.
@@ -63,7 +68,7 @@ from _common import (  # noqa: E402
 from wq_sql import WorkQueue  # noqa: E402
 from wq_sql.claim import ClaimRound  # noqa: E402
 from wq_sql.dialects import Dialect  # noqa: E402
-from wq_sql.engine import resolve_url  # noqa: E402
+from wq_sql.engine import make_engine, resolve_url  # noqa: E402
 
 QUEUE = "bench"
 VARIANTS = ("wq_sql", "raw", "raw_same")
@@ -198,8 +203,10 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
     return count, elapsed, lat, cpu
 
 
-def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float,
+def _run_wq(url: str, n: int, name: str, ready: Any, go: Any, seconds: float, startup: bool = False,
             **kw: Any) -> tuple[int, float, list[float], float]:
+    if startup:
+        kw["engine"] = make_engine(resolve_url(url), pool_size=3, startup_options=True)
     wq = WorkQueue.attach(QUEUE, url=url, worker=name, lease_ahead=n, **kw)
     lat: list[float] = []
     count = 0
@@ -233,8 +240,8 @@ def _child(variant: str, url: str, n: int, name: str, ready: Any, go: Any, secon
 
     def one(name: str, ready: Any) -> Any:
         try:
-            if variant == "wq_sql":
-                return _run_wq(url, n, name, ready, go, seconds, **kw)
+            if variant in ("wq_sql", "wq_startup"):
+                return _run_wq(url, n, name, ready, go, seconds, variant == "wq_startup", **kw)
             return _run_raw(url, variant, n, name, ready, go, seconds)
         except BaseException as e:
             ready.set()
@@ -278,6 +285,14 @@ class Template:
             self.db = f"wq_bench_tmpl_{uuid.uuid4().hex[:8]}"
             self._admin(f'CREATE DATABASE "{self.db}"')
             self.url = pg_url(admin, self.db)
+        try:
+            self._fill(size)
+        except BaseException:  # e.g. interrupted (make bench's time limit): leave no database behind
+            self.drop()
+            raise
+
+    def _fill(self, size: int) -> None:
+        backend = self.backend
         t = time.perf_counter()
         wq = WorkQueue([f"part-{i:07d}" for i in range(size)], num_epochs=1, shuffle=False, seed=1,
                        name=QUEUE, url=self.url, worker="creator")
@@ -416,6 +431,7 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
           "| wq_sql / raw_same | wq_sql p50 / p99 ms | raw p50 / p99 ms | client CPU us/item wq_sql / raw_same / raw "
           "| target | verdict |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    extra: list[str] = []
     for p in procs:
         for n in las:
             sel = {v: [r for r in runs if r["backend"] == backend and r["procs"] == p and r["lease_ahead"] == n
@@ -429,11 +445,22 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
             def g(v: str, k: str, med: dict[str, dict[str, float]] = med) -> float:
                 return med.get(v, {}).get(k, float("nan"))
 
+            if "wq_startup" in variants:
+                cost = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel["wq_startup"])])
+                extra.append(f"| {p} | {n} | {g('wq_startup', 'rate'):.0f} | {g('wq_sql', 'rate'):.0f} | {cost:.3f} "
+                             f"| {g('wq_startup', 'p50_ms'):.3f} / {g('wq_sql', 'p50_ms'):.3f} |")
             print(f"| {p if threads == 1 else f'{p} x {threads} threads'} | {n} | {g('wq_sql', 'rate'):.0f} | {g('raw', 'rate'):.0f} | {g('raw_same', 'rate'):.0f} "
                   f"| {ratio:.2f} | {ratio_same:.2f} | {g('wq_sql', 'p50_ms'):.2f} / {g('wq_sql', 'p99_ms'):.2f} "
                   f"| {g('raw', 'p50_ms'):.2f} / {g('raw', 'p99_ms'):.2f} "
                   f"| {g('wq_sql', 'cpu_us'):.0f} / {g('raw_same', 'cpu_us'):.0f} / {g('raw', 'cpu_us'):.0f} "
                   f"| >= {target} | {verdict} |")
+    if extra:
+        print("\ntimeouts per transaction (wq_sql, the default) against startup options (wq_startup), "
+              "same run:\n")
+        print("| procs | lease_ahead | wq_startup items/s | wq_sql items/s | wq_sql / wq_startup "
+              "| p50 ms wq_startup / wq_sql |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(extra))
     print(flush=True)
 
 

@@ -18,12 +18,14 @@ runs of the ``slow`` scenario.
 
     .venv/bin/python bench/long_tail.py                       # SQLite, 8 x 200 items
     .venv/bin/python bench/long_tail.py --backend postgresql --items 1600
+    .venv/bin/python bench/long_tail.py --scenarios slow --defaults   # the library's default settings
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import random
 import sys
 import time
@@ -58,8 +60,9 @@ def _worker(mode: str, url: str, queue: str, works: list[str], i: int, n_workers
     slept = 0.0
     try:
         if mode == "wq_sql":
-            wq = WorkQueue.attach(queue, url=url, worker=f"w{i}", lease_ahead=a["lease_ahead"],
-                                  claim_ahead=a["claim_ahead"])
+            # --defaults: the library's own settings (issue 16's target), nothing passed
+            knobs: dict[str, Any] = {} if a["defaults"] else {"lease_ahead": a["lease_ahead"], "claim_ahead": a["claim_ahead"]}
+            wq = WorkQueue.attach(queue, url=url, worker=f"w{i}", **knobs)
             ready.set()
             go.wait()
             t0 = go_time(a)
@@ -201,6 +204,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--lease-ahead", type=int, default=1)
     ap.add_argument("--claim-ahead", action="store_true",
                     help="WorkQueue(claim_ahead=True): claim the next item just in time, in the background")
+    ap.add_argument("--defaults", action="store_true",
+                    help="WorkQueue.attach(name, url=, worker=) with the library's default settings: "
+                         "--lease-ahead and --claim-ahead are not passed")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pg", default=PG_ADMIN)
     ap.add_argument("--svg", default=None, help="write a timeline picture of the last 'slow' runs here")
@@ -211,7 +217,7 @@ def main(argv: list[str]) -> int:
     for scenario in ns.scenarios.split(","):
         a = {"scenario": scenario, "workers": ns.workers, "items": ns.items, "fast_ms": ns.fast_ms,
              "slow_factor": ns.slow_factor, "p_straggle": ns.p_straggle, "lease_ahead": ns.lease_ahead,
-             "claim_ahead": ns.claim_ahead}
+             "claim_ahead": ns.claim_ahead, "defaults": ns.defaults}
         rows = []
         last: list[dict[str, Any]] = []
         for rep in range(ns.repeats):
@@ -219,7 +225,7 @@ def main(argv: list[str]) -> int:
             order = MODES[rep % 3:] + MODES[:rep % 3]
             got = {m: run_once(ns.backend, m, a, seed, ns.pg) for m in order}
             b = ideal(a, got["wq_sql"]["slept"])
-            row = {"rep": rep, "ideal": b, "counts": got["wq_sql"]["counts"],
+            row = {"rep": rep, "ideal": b, "counts": got["wq_sql"]["counts"], "load": os.getloadavg()[0],
                    "wq_sql_last_done": got["wq_sql"]["last_done"],
                    **{m: got[m]["makespan"] for m in MODES}}
             rows.append(row)
@@ -232,12 +238,15 @@ def main(argv: list[str]) -> int:
         med = {k: median([r[k] for r in rows]) for k in (*MODES, "ideal", "wq_sql_last_done")}
         ratios = {k: median([r[k] / r["ideal"] for r in rows]) for k in (*MODES, "wq_sql_last_done")}
         vs_mem = median([r["wq_sql"] / r["memory"] for r in rows])
-        summary.append({"scenario": scenario, "median": med, "ratio_to_ideal": ratios, "wq_sql_vs_memory": vs_mem})
+        summary.append({"scenario": scenario, "backend": ns.backend, "settings": a, "median": med,
+                        "ratio_to_ideal": ratios, "wq_sql_vs_memory": vs_mem,
+                        "load": [r["load"] for r in rows]})
         if ns.svg and scenario == "slow":
             svg(ns.svg, last, f"{ns.backend}, {ns.workers} workers, worker 0 {ns.slow_factor:g}x slower, "
                 f"{ns.items} items of {ns.fast_ms:g} ms")
-    print(f"\n## long tail on {ns.backend}: {ns.workers} workers, {ns.items} items, lease-ahead {ns.lease_ahead}, "
-          f"claim-ahead {ns.claim_ahead}, "
+    knobs = ("the library's default settings" if ns.defaults
+             else f"lease-ahead {ns.lease_ahead}, claim-ahead {ns.claim_ahead}")
+    print(f"\n## long tail on {ns.backend}: {ns.workers} workers, {ns.items} items, {knobs}, "
           f"medians of {ns.repeats} runs\n")
     print("| scenario | ideal s | wq_sql s (/ideal) | wq_sql last item done s (/ideal) | in-memory queue s (/ideal) "
           "| static s (/ideal) | wq_sql / in-memory | target wq_sql/ideal | verdict |")

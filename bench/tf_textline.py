@@ -4,6 +4,7 @@ measured alternately in the same run (issue 3's target: at least 0.9x).
     .venv/bin/python bench/tf_textline.py                          # SQLite, 1,000 files x 100 lines
     .venv/bin/python bench/tf_textline.py --lease-ahead 1 16 64 --runs 7
     .venv/bin/python bench/tf_textline.py --url postgresql://postgres@127.0.0.1:5432/postgres
+    .venv/bin/python bench/tf_textline.py --lease-ahead default --json out.json   # the shim's defaults
 
 Each run reads every line once, batched (``--batch``, as a training input pipeline would), and
 times from the first pull to the end of the stream; setting up the queue (inserting the works)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import platform
 import statistics
@@ -36,6 +38,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -95,11 +98,11 @@ def run_plain_burning(paths: list[str], batch: int, duty: float) -> tuple[int, f
         thread.join()
 
 
-def run_structure(paths: list[str], batch: int, lease_ahead: int) -> tuple[int, float]:
+def run_structure(paths: list[str], batch: int, lease_ahead: Optional[int]) -> tuple[int, float]:
     """input_dataset's pipeline (the same ops, hand-outs of the same size) fed from a Python
     list instead of the queue: what the pipeline's shape costs, without any database."""
     works = [p.encode("utf-8") for p in paths]
-    k = max(1, (lease_ahead + 1) // 2)
+    k = max(1, ((lease_ahead or 1) + 1) // 2)
     at = [0]
 
     def next_many() -> np.ndarray:
@@ -117,9 +120,11 @@ def run_structure(paths: list[str], batch: int, lease_ahead: int) -> tuple[int, 
     return consume(tf.data.TextLineDataset(names).batch(batch))
 
 
-def run_wq(paths: list[str], batch: int, url: str, lease_ahead: int) -> tuple[int, float]:
+def run_wq(paths: list[str], batch: int, url: str, lease_ahead: Optional[int]) -> tuple[int, float]:
+    """``lease_ahead=None``: the shim's default settings (no ``lease_ahead=`` passed)."""
     name = f"bench_{uuid.uuid4().hex[:8]}"
-    wq = WorkQueue(paths, shuffle=False, name=name, url=url, worker="bench", lease_ahead=lease_ahead)
+    knobs: dict[str, Any] = {} if lease_ahead is None else {"lease_ahead": lease_ahead}
+    wq = WorkQueue(paths, shuffle=False, name=name, url=url, worker="bench", **knobs)
     try:
         n, seconds = consume(tf.data.TextLineDataset(wq.input_dataset()).batch(batch))
     finally:
@@ -142,13 +147,26 @@ def machine() -> str:
             f"Python {platform.python_version()}, TensorFlow {tf.__version__}")
 
 
+def _lease_ahead(text: str) -> Optional[int]:
+    if text == "default":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive integer or 'default'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive integer or 'default'")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None,
                     help="database URL (default: a fresh SQLite file in a temp dir)")
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--lines", type=int, default=100, help="lines per file")
-    ap.add_argument("--lease-ahead", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--lease-ahead", type=_lease_ahead, nargs="+", default=[1, 16],
+                    help="one or more values; 'default' = the shim's default settings (nothing passed)")
     ap.add_argument("--runs", type=int, default=5, help="runs per side (medians are reported)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--burner", type=float, default=None, metavar="DUTY",
@@ -157,6 +175,7 @@ def main() -> None:
                     help="also time input_dataset's pipeline fed from a Python list (no database)")
     ap.add_argument("--no-autotune", action="store_true",
                     help="both sides with tf.data's autotuner off (no bimodal slow mode)")
+    ap.add_argument("--json", default=None, help="also write every run's seconds and the ratios here")
     args = ap.parse_args()
     global AUTOTUNE
     AUTOTUNE = not args.no_autotune
@@ -170,6 +189,7 @@ def main() -> None:
               f"backend {url.split(':', 1)[0]}{', autotune off' if args.no_autotune else ''}")
         run_plain(paths, args.batch)  # warm up TensorFlow and the page cache
         run_wq(paths, args.batch, url, args.lease_ahead[0])
+        results: list[dict[str, Any]] = []
         for lease_ahead in args.lease_ahead:
             plain, ours, burning, shaped = [], [], [], []
             for _ in range(args.runs):
@@ -188,7 +208,8 @@ def main() -> None:
                     assert n == expected, (n, expected)
                     shaped.append(s)
             p, o = statistics.median(plain), statistics.median(ours)
-            line = (f"lease_ahead={lease_ahead:<3d} plain {p:.3f}s ({expected / p:,.0f} rec/s)  "
+            shown = "default" if lease_ahead is None else str(lease_ahead)
+            line = (f"lease_ahead={shown:<3s} plain {p:.3f}s ({expected / p:,.0f} rec/s)  "
                     f"wq_sql {o:.3f}s ({expected / o:,.0f} rec/s)  ratio {p / o:.2f}x  "
                     f"[{'meets' if p / o >= 0.9 else 'below'} 0.9x]  best runs {min(plain) / min(ours):.2f}x")
             if shaped:
@@ -197,7 +218,14 @@ def main() -> None:
             if burning:
                 line += (f"  | plain beside a {args.burner:.0%} burner: {p / statistics.median(burning):.2f}x "
                          f"(best {min(plain) / min(burning):.2f}x)")
-            print(line)
+            print(line, flush=True)
+            results.append({"backend": url.split(":", 1)[0].split("+")[0], "files": args.files,
+                            "lines": args.lines, "lease_ahead": shown, "autotune": AUTOTUNE,
+                            "plain_s": plain, "wq_sql_s": ours, "burner_s": burning, "structure_s": shaped,
+                            "ratio": p / o, "best_ratio": min(plain) / min(ours),
+                            "load": os.getloadavg()[0]})
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

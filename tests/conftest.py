@@ -6,6 +6,13 @@ from a template that was migrated once per session (``CREATE DATABASE ... TEMPLA
 Postgres: ``$WQ_SQL_TEST_PG`` (default ``postgresql://postgres@127.0.0.1:5432/postgres``) must be
 reachable. Under CI (``$CI`` set) an unreachable server fails the run; elsewhere the Postgres
 half of the suite is skipped with the reason.
+
+The contract suite (:data:`CONTRACT_MODULES`: claims, leases, fencing, crashes, epochs, waits,
+sliced reads) runs on a third backend, ``pgbouncer``: the same Postgres server through a real
+PgBouncer in transaction mode (``tests/pgbouncer.py``, a small server pool), started once per
+session. Its databases are made and dropped through the admin connection, directly; the test
+gets a plain URL of PgBouncer. PgBouncer comes from ``$WQ_SQL_PGBOUNCER`` or ``$PATH``
+(``scripts/pgbouncer.sh`` installs it); under CI a missing one fails, elsewhere it skips.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -23,6 +31,11 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN_URL = os.environ.get("WQ_SQL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 BACKENDS = ["sqlite", "postgresql"]
+POOLED = "pgbouncer"  # Postgres through PgBouncer in transaction mode
+# The modules that form the contract every backend must pass, also through PgBouncer.
+CONTRACT_MODULES = {"test_smoke", "test_semantics", "test_concurrency", "test_crash", "test_epochs",
+                    "test_waits", "test_sources", "test_chaos"}
+BOUNCER_POOL_SIZE = 10  # server connections per database through the test PgBouncer
 _TEMPLATE = f"wq_sql_tmpl_{os.getpid()}"
 
 
@@ -79,9 +92,60 @@ def drop_pg_database(name: str) -> None:
     engine.dispose()
 
 
-@pytest.fixture(params=BACKENDS)
+def _parametrized_directly(metafunc: pytest.Metafunc, name: str) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        if name in ([n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)):
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that uses ``backend`` runs on each of :data:`BACKENDS`, and, in the contract
+    modules, through PgBouncer too (unless it names its backends itself)."""
+    if "backend" not in metafunc.fixturenames or _parametrized_directly(metafunc, "backend"):
+        return
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    metafunc.parametrize("backend", BACKENDS + ([POOLED] if module in CONTRACT_MODULES else []),
+                         indirect=True)
+
+
+@pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
+    return str(request.param)
+
+
+def is_pg(backend: str) -> bool:
+    """Whether ``backend`` is PostgreSQL, directly or through PgBouncer."""
+    return backend != "sqlite"
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_template: str) -> Iterator[Any]:
+    """A PgBouncer in transaction mode in front of the test server, for the whole session."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pgbouncer import PgBouncer, PgBouncerError
+
+    admin = _admin_engine().url
+    try:
+        bouncer = PgBouncer(admin.host or "127.0.0.1", admin.port or 5432, pool_size=BOUNCER_POOL_SIZE,
+                            user=admin.username or "postgres").start()
+    except PgBouncerError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"{e}; the PgBouncer tests are required in CI", pytrace=False)
+        pytest.skip(str(e))
+    try:
+        yield bouncer
+    finally:
+        bouncer.close()
+
+
+def bouncer_url(bouncer: Any, db: str) -> str:
+    """The URL of database ``db`` through ``bouncer``, with the admin URL's user and password."""
+    from wq_sql.engine import resolve_url
+
+    return (resolve_url(PG_ADMIN_URL).set(host="127.0.0.1", port=bouncer.port, database=db)
+            .render_as_string(hide_password=False))
 
 
 def fresh_database(backend: str, tmp_path: Path, request: pytest.FixtureRequest, stem: str,
@@ -93,9 +157,10 @@ def fresh_database(backend: str, tmp_path: Path, request: pytest.FixtureRequest,
         yield f"sqlite:///{tmp_path / (stem + '.db')}"
         return
     template = request.getfixturevalue("pg_template")
+    bouncer = request.getfixturevalue("pgbouncer") if backend == POOLED else None
     name = new_pg_database(template if migrated else None)
     try:
-        yield _pg_url(name)
+        yield _pg_url(name) if bouncer is None else bouncer_url(bouncer, name)
     finally:
         drop_pg_database(name)
 

@@ -97,6 +97,21 @@ def test_several_processes_claiming_ahead_take_every_item_once(db_url: str, tmp_
     assert states(db_url) == {"done/0": 240}
 
 
+def test_claim_ahead_with_lease_ahead_claims_a_batch_when_the_buffer_runs_out(db_url: str) -> None:
+    """With ``lease_ahead=4`` the background claim runs once the buffer is empty and claims four
+    items: about one round per four items, never a round per item."""
+    wq = WorkQueue([f"w{i}" for i in range(24)], shuffle=False, url=db_url, claim_ahead=True,
+                   lease_ahead=4, heartbeat_seconds=5)
+    rounds = record_rounds(wq)
+    for _ in range(20):
+        wq.take()
+        time.sleep(0.05)
+    refills = [r for r in rounds if r[1].startswith("wq_sql-refill")]
+    assert 3 <= len(refills) <= 7, rounds  # 20 items / 4 per round, give or take the first ones
+    assert states(db_url)["claimed/0"] <= 5  # the item in hand and at most one batch ahead
+    wq.close()
+
+
 def test_an_idle_worker_polls_at_its_own_pace(db_url: str) -> None:
     """A worker that waits for another's last item notices the end about as fast as it used to
     take items, not after a poll_seconds backoff."""

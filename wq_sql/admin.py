@@ -6,7 +6,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
-from sqlalchemy import delete, select, update
 from sqlalchemy.engine import URL
 
 from wq_sql import migrate, ops
@@ -146,10 +145,7 @@ def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str
 
     Stop its workers first: items they hold are forgotten."""
     with _queue_tx(name, url, schema) as (conn, row):
-        for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.checkpoints):
-            conn.execute(delete(table).where(table.c.queue_id == row.id))
-        conn.execute(update(ops.queues).where(ops.queues.c.id == row.id).values(epochs_created=1))
-        ops.insert_epoch(conn, row.id, row.n_works, 0, row.shuffle, row.seed)
+        ops.reset_queue(conn, row.id, row.n_works, row.shuffle, row.seed)
 
 
 def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> bool:
@@ -157,10 +153,7 @@ def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str]
     with _queue_tx(name, url, schema, must_exist=False) as (conn, row):
         if row is None:
             return False
-        # Children first: SQLite only cascades with foreign_keys=ON, which other tools may not set.
-        for table in (ops.items, ops.events, ops.tallies, ops.workers, ops.works_t, ops.checkpoints):
-            conn.execute(delete(table).where(table.c.queue_id == row.id))
-        conn.execute(delete(ops.queues).where(ops.queues.c.id == row.id))
+        ops.drop_queue(conn, row.id)
         return True
 
 
@@ -172,7 +165,7 @@ def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -
             migrate.ensure_schema(engine, schema)
         with opening(engine.url), engine.connect() as conn:
             out = []
-            for row in conn.execute(select(ops.queues).order_by(ops.queues.c.name)):
+            for row in ops.all_queues(conn):
                 done, failed = ops.progress(conn, row.id)
                 out.append({
                     "name": row.name, "items_per_epoch": row.n_works, "num_epochs": row.num_epochs,

@@ -132,7 +132,8 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
                 cur.execute(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
                                         "fe": -1, "fs": -1, "lim": n - len(got)})
                 got += [r for r in cur.fetchall() if r[0] == "c"]
-        self._floor = min(((r[2], r[3]) for r in got), default=None)
+        if n:  # a round that only acknowledges (limit 0) says nothing about where claims start
+            self._floor = min(((r[2], r[3]) for r in got), default=None)
         claimed = sorted((Claimed(r[1], r[2], r[3], r[4], token, r[5]) for r in got),
                          key=lambda c: (c.epoch, c.seq))
         return accepted, claimed, {r[4]: r[6] for r in got}

@@ -59,12 +59,12 @@ from typing import Any, Callable, Optional, TypeVar
 
 from alembic import command
 from alembic.util import CommandError
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from wq_sql import admin, migrate, ops, report
-from wq_sql.dialects import Dialect, dialect_of
+from wq_sql.dialects import Dialect, dialect_of, sqlite_file
 from wq_sql.engine import first_line as _first_line
 from wq_sql.engine import make_engine, mask_secrets, opening, resolve_url, safe_url
 from wq_sql.errors import DatabaseUnavailable, QueueNotFound, SchemaOutdated, WqSqlError
@@ -116,8 +116,8 @@ def _engine(args: argparse.Namespace, *, must_exist: bool) -> tuple[Engine, Opti
     ``must_exist``: a SQLite file that is not there is an error (a typo in the path must not
     create an empty database)."""
     url = _url(args)
-    if must_exist and url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        path = Path(url.database).expanduser()
+    path = sqlite_file(url)
+    if must_exist and path is not None:
         if path.parent.is_dir() and not path.exists():
             raise CliError(f"there is no SQLite file {str(path.resolve())!r}; check --url, or create it "
                            f"with: python -m wq_sql upgrade {_where(url, args.schema)}")
@@ -249,21 +249,14 @@ def _upgrade_sql(args: argparse.Namespace, url: URL) -> int:
         print(f"-- {source}: already at head ({head}), nothing to upgrade")
         return 0
     print(f"-- wq_sql schema upgrade from {source} to {head} (head)")
-    if args.schema and url.get_backend_name() == "postgresql":
-        # Offline DDL names its tables unqualified; the schema comes from the search path.
-        if start is None:
-            print(f'CREATE SCHEMA IF NOT EXISTS "{args.schema}";')
-        print(f'SET search_path TO "{args.schema}";\n')
+    dialect = dialect_of(url)
+    for line in dialect.ddl_preamble(args.schema, new=start is None):
+        print(line)
     cfg = migrate.alembic_config(url=url.render_as_string(hide_password=True), schema=args.schema)
-    # Alembic wraps Postgres's script in BEGIN/COMMIT but not SQLite's, whose DDL is transactional
-    # too: one transaction, so that a script failing halfway leaves the old revision intact.
-    sqlite = url.get_backend_name() == "sqlite"
-    if sqlite:
-        print("BEGIN;")
     sys.stdout.flush()
     command.upgrade(cfg, f"{start}:head" if start else "head", sql=True)
-    if sqlite:
-        print("COMMIT;")
+    for line in dialect.ddl_postscript():
+        print(line)
     return 0
 
 
@@ -278,9 +271,9 @@ def _known_revision(rev: str) -> str:
 def _revision_for_sql(args: argparse.Namespace, url: URL) -> Optional[str]:
     """The database's revision, for ``upgrade --sql`` (a missing SQLite file is a new database,
     and is not created)."""
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        if not Path(url.database).expanduser().exists():
-            return None
+    path = sqlite_file(url)
+    if path is not None and not path.exists():
+        return None
     try:
         engine, rev = _engine(args, must_exist=False)
     except (CliError, DatabaseUnavailable) as e:
@@ -348,9 +341,7 @@ def _checked_engine(args: argparse.Namespace, url: URL) -> Iterator[Engine]:
 def _snapshot(engine: Engine, fn: Callable[[Connection], T]) -> T:
     """Run ``fn`` in one read-only transaction that sees one snapshot (Postgres: REPEATABLE READ;
     SQLite: a read transaction in WAL mode is a snapshot already)."""
-    conn_opts: dict[str, Any] = {"wq_read": True}
-    if engine.dialect.name == "postgresql":
-        conn_opts["isolation_level"] = "REPEATABLE READ"
+    conn_opts: dict[str, Any] = {"wq_read": True, **dialect_of(engine).snapshot_options}
     with engine.connect().execution_options(**conn_opts) as conn, conn.begin():
         return fn(conn)
 
@@ -522,24 +513,9 @@ def _rate_eta(s: StatusSummary) -> str:
 def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
             name: str) -> tuple[list[str], StatusSummary]:
     q = _find_queue(conn, url, name)
-    t, i, w = ops.tallies, ops.items, ops.workers
-    # done and failed come from the counters; claimed rows are few and indexed (partial index).
-    per_epoch = {r.epoch: (int(r.done), int(r.failed)) for r in conn.execute(
-        select(t.c.epoch, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"))
-        .where(t.c.queue_id == q.id).group_by(t.c.epoch))}
-    claimed_rows = conn.execute(
-        select(i.c.epoch, i.c.worker_id, func.count().label("n"))
-        .where(i.c.queue_id == q.id, i.c.state == CLAIMED).group_by(i.c.epoch, i.c.worker_id)).all()
-    claimed: dict[int, int] = {}
-    holding: dict[Optional[int], int] = {}
-    for r in claimed_rows:
-        claimed[r.epoch] = claimed.get(r.epoch, 0) + r.n
-        holding[r.worker_id] = holding.get(r.worker_id, 0) + r.n
-    by_worker = {r.worker_id: (int(r.done), int(r.failed)) for r in conn.execute(
-        select(t.c.worker_id, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"))
-        .where(t.c.queue_id == q.id).group_by(t.c.worker_id))}
-    workers = conn.execute(select(w).where(w.c.queue_id == q.id).order_by(w.c.name)).all()
-    now = _db_now(conn, b)
+    st = report.status(conn, b, q.id)
+    per_epoch, claimed, holding, by_worker = st.per_epoch, st.claimed, st.holding, st.by_worker
+    workers, now = st.workers, st.now
 
     n = q.n_works
     out = [f"queue {q.name!r} in {_label(url, schema)}",
@@ -584,7 +560,7 @@ def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
     pct = 100.0 * (totals[2] + totals[3]) / total if total else 100.0
     state = "finished" if totals[2] + totals[3] >= total else "in progress"
     out.append(f"{state}: {totals[2] + totals[3]} of {total} items done or failed ({pct:.1f}%)")
-    recent = report.recent_done(conn, q.id, now)
+    recent = st.recent
     summary = StatusSummary(totals[2] + totals[3], total, recent.done, recent.rate)
     if not summary.complete:
         out.append(f"throughput: {_rate_eta(summary)}")
@@ -803,8 +779,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
     def read(conn: Connection) -> tuple[Any, int, int, int]:
         q = _find_queue(conn, url, args.name)
         done, failed = ops.progress(conn, q.id)
-        live = conn.execute(select(func.count()).select_from(ops.workers).where(
-            ops.workers.c.queue_id == q.id, ops.workers.c.heartbeat_at.is_not(None))).scalar_one()
+        live = ops.live_workers(conn, q.id)
         return q, done, failed, live
 
     with _checked_engine(args, url) as engine:

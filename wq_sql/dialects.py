@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from sqlalchemy import Connection, Engine, Integer, Text, bindparam, func, literal_column, select, text
@@ -113,6 +114,23 @@ class Dialect:
         always do)."""
         return {} if self.is_sqlite else {"isolation_level": "REPEATABLE READ"}
 
+    # ------------------------------------------------------------------ offline DDL (upgrade --sql)
+
+    def ddl_preamble(self, schema: Optional[str], new: bool) -> list[str]:
+        """Lines before an offline upgrade script. Alembic wraps Postgres's script in
+        BEGIN/COMMIT but not SQLite's, whose DDL is transactional too: one transaction, so that a
+        script failing halfway leaves the old revision intact. Postgres' offline DDL names its
+        tables unqualified: a schema comes from the search path."""
+        if self.is_sqlite:
+            return ["BEGIN;"]
+        if not schema:
+            return []
+        create = [f'CREATE SCHEMA IF NOT EXISTS "{schema}";'] if new else []
+        return create + [f'SET search_path TO "{schema}";\n']
+
+    def ddl_postscript(self) -> list[str]:
+        return ["COMMIT;"] if self.is_sqlite else []
+
     # ------------------------------------------------------------------ facts
 
     @property
@@ -164,6 +182,13 @@ class Dialect:
         if code in ("40P01", "40001"):
             return "deadlock or serialization failure"
         return None
+
+
+def sqlite_file(url: URL) -> Optional[Path]:
+    """The file a SQLite URL names (None: another backend, or an in-memory database)."""
+    if url.get_backend_name() != SQLITE or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database).expanduser()
 
 
 def dialect_of(bind: Engine | Connection | URL) -> Dialect:

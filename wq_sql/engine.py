@@ -4,8 +4,9 @@ one-line errors of a database that cannot be reached or opened (``open_error``).
 SQLite: WAL, ``busy_timeout`` and ``BEGIN IMMEDIATE`` for every write transaction, so a
 transaction takes the single write lock up front instead of failing halfway with
 ``database is locked``. Postgres: READ COMMITTED (the server default), statement and
-idle-in-transaction timeouts passed as connection startup options (no ``SET`` session state, so
-PgBouncer in transaction mode works), and an optional schema via ``schema_translate_map``.
+idle-in-transaction timeouts set in each transaction (``pooling``: nothing relies on session
+state, so PgBouncer in transaction mode works with a plain URL), and an optional schema via
+``schema_translate_map``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from wq_sql import pooling
 from wq_sql.dialects import dialect_of
 from wq_sql.errors import DatabaseUnavailable, InvalidInput, UnsafeDatabase
 
@@ -187,7 +189,7 @@ def check_sqlite_path(url: URL) -> None:
 
 
 def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float = 30.0,
-                statement_timeout: float = 60.0, startup_options: bool = True,
+                statement_timeout: Optional[float] = 60.0, startup_options: bool = False,
                 pool_size: int = 2, autocheckpoint: bool = True,
                 lock_slice: Optional[float] = None) -> Engine:
     """An engine for a worker process: at most ``pool_size`` connections (claims and heartbeat).
@@ -201,7 +203,13 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
     handler sleeps 1, 2, 5 ms ... then 100 ms at a time, so under a saturated lock a waiter that
     reached 100 ms naps starved for seconds here while fresher waiters took turns); the caller
     retries every few ms up to ``busy_timeout`` (``WorkQueue._retrying``). Default: the busy
-    handler waits up to ``busy_timeout`` itself."""
+    handler waits up to ``busy_timeout`` itself.
+
+    Postgres, ``statement_timeout`` (seconds; None: none): also the idle-in-transaction timeout,
+    both set at the start of each transaction (``SET LOCAL``), which works directly and through
+    PgBouncer in transaction mode (:mod:`wq_sql.pooling`). ``startup_options=True``: as libpq
+    startup options instead, one statement less per transaction, for direct connections only
+    (PgBouncer refuses them)."""
     backend = url.get_backend_name()
     if backend == "sqlite":
         if schema:
@@ -214,11 +222,12 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
         return engine
     if backend != "postgresql":
         raise InvalidInput(f"unsupported database {backend!r}: use sqlite:///file.db or postgresql://...")
-    connect_args: dict[str, Any] = {"application_name": "wq_sql"}
-    if startup_options:
-        ms = int(statement_timeout * 1000)
-        connect_args["options"] = (f"-c statement_timeout={ms} "
-                                   f"-c idle_in_transaction_session_timeout={ms}")
+    connect_args: dict[str, Any] = {"application_name": "wq_sql",
+                                    **pooling.driver_connect_args(url.get_driver_name())}
+    timeouts = None
+    if statement_timeout is not None:
+        timeouts = pooling.Timeouts(int(statement_timeout * 1000), startup_options)
+        connect_args.update(timeouts.connect_args())
     opts: dict[str, Any] = {}
     if schema:
         if not _IDENT.match(schema):
@@ -226,6 +235,8 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
         opts["schema_translate_map"] = {None: schema}
     engine = create_engine(url, pool_size=pool_size, max_overflow=0, pool_pre_ping=False,
                            execution_options=opts, connect_args=connect_args)
+    if timeouts is not None:
+        timeouts.install(engine)
     return engine
 
 
@@ -269,18 +280,20 @@ def driver_transaction(engine: Engine) -> Iterator[Any]:
         raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
     conn: Any = fairy.dbapi_connection
     begin = dialect_of(engine).begin_write
+    tx = pooling.DriverTx.of(fairy, conn)  # Postgres: BEGIN and the timeouts in one round trip
     try:
         if begin:
             conn.execute(begin)
+        tx.begin()
         yield conn
-        conn.commit()
+        tx.commit()
     except BaseException as e:
         gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
         if isinstance(e, DBAPIError):
             gone = gone or e.connection_invalidated
         if not gone:
             try:
-                conn.rollback()
+                tx.rollback()
             except driver_error:
                 gone = True
         if gone:
@@ -289,4 +302,5 @@ def driver_transaction(engine: Engine) -> Iterator[Any]:
             raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
         raise
     finally:
+        tx.close()
         fairy.close()

@@ -31,6 +31,7 @@ from sqlalchemy import (
     Table,
     and_,
     case,
+    delete,
     func,
     insert,
     literal,
@@ -431,6 +432,44 @@ def take_over_worker(conn: Connection, b: Dialect, worker_id: int, incarnation: 
 def close_worker(conn: Connection, worker_id: int, incarnation: str) -> None:
     conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.incarnation == incarnation)
                  .values(heartbeat_at=None))
+
+
+def live_workers(conn: Connection, qid: int) -> int:
+    """Workers of the queue that have not closed."""
+    return int(conn.execute(select(func.count()).select_from(workers).where(
+        workers.c.queue_id == qid, workers.c.heartbeat_at.is_not(None))).scalar_one())
+
+
+def all_queues(conn: Connection) -> list[Any]:
+    return list(conn.execute(select(queues).order_by(queues.c.name)).all())
+
+
+def reset_queue(conn: Connection, qid: int, n_works: int, shuffle: bool, seed: int) -> None:
+    """Start a queue over at epoch 0: its items, history, counters, workers and checkpoints go."""
+    for table in (items, events, tallies, workers, checkpoints):
+        conn.execute(delete(table).where(table.c.queue_id == qid))
+    conn.execute(update(queues).where(queues.c.id == qid).values(epochs_created=1))
+    insert_epoch(conn, qid, n_works, 0, shuffle, seed)
+
+
+def drop_queue(conn: Connection, qid: int) -> None:
+    """Delete a queue and everything it holds. Children first: SQLite only cascades with
+    ``foreign_keys=ON``, which other tools may not set."""
+    for table in (items, events, tallies, workers, works_t, checkpoints):
+        conn.execute(delete(table).where(table.c.queue_id == qid))
+    conn.execute(delete(queues).where(queues.c.id == qid))
+
+
+def leave(conn: Connection, b: Dialect, qid: int, worker_id: int, incarnation: str, *,
+          done: Sequence[tuple[int, int]], give_back: Sequence[tuple[int, int]],
+          failing: Sequence[tuple[int, int]], error: str, max_attempts: int) -> set[int]:
+    """A worker leaves cleanly: its ``done`` items are completed, ``give_back`` released,
+    ``failing`` failed with ``error``, and its row says it closed. Returns the accepted acks."""
+    accepted = complete(conn, b, qid, worker_id, done)
+    release(conn, b, qid, worker_id, give_back)
+    fail(conn, b, qid, worker_id, failing, error, max_attempts)
+    close_worker(conn, worker_id, incarnation)
+    return accepted
 
 
 def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_seconds: float,

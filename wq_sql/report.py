@@ -25,7 +25,9 @@ from typing import Any, Optional
 from sqlalchemy import Connection, and_, case, func, literal, select
 
 from wq_sql import ops
+from wq_sql.dialects import Dialect
 from wq_sql.states import (
+    CLAIMED,
     DONE,
     EV_CLAIM,
     EV_DONE,
@@ -233,6 +235,41 @@ RATE_WINDOW_SECONDS = 60.0
 # The rate reads at most this many of the newest events, by id: a bounded range of the primary
 # key, so status stays fast on a queue with millions of events (wq_events has no index on time).
 RATE_EVENT_SPAN = 20_000
+
+
+@dataclass(frozen=True)
+class Status:
+    """What ``wq-sql status`` shows, read in one snapshot: done and failed per epoch and per
+    worker (from the counters), claimed items per epoch and per holder (the partial index of
+    claimed rows), the worker rows, the database clock, and the last minute's completions."""
+
+    per_epoch: dict[int, tuple[int, int]]
+    claimed: dict[int, int]
+    holding: dict[Optional[int], int]
+    by_worker: dict[Optional[int], tuple[int, int]]
+    workers: list[Any]
+    now: dt.datetime
+    recent: RecentDone
+
+
+def status(conn: Connection, d: Dialect, qid: int) -> Status:
+    t, i, w = ops.tallies, ops.items, ops.workers
+    per_epoch = {r.epoch: (int(r.done), int(r.failed)) for r in conn.execute(
+        select(t.c.epoch, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"))
+        .where(t.c.queue_id == qid).group_by(t.c.epoch))}
+    claimed: dict[int, int] = {}
+    holding: dict[Optional[int], int] = {}
+    for r in conn.execute(select(i.c.epoch, i.c.worker_id, func.count().label("n"))
+                          .where(i.c.queue_id == qid, i.c.state == CLAIMED)
+                          .group_by(i.c.epoch, i.c.worker_id)):
+        claimed[r.epoch] = claimed.get(r.epoch, 0) + r.n
+        holding[r.worker_id] = holding.get(r.worker_id, 0) + r.n
+    by_worker = {r.worker_id: (int(r.done), int(r.failed)) for r in conn.execute(
+        select(t.c.worker_id, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"))
+        .where(t.c.queue_id == qid).group_by(t.c.worker_id))}
+    workers = list(conn.execute(select(w).where(w.c.queue_id == qid).order_by(w.c.name)).all())
+    now = d.db_now(conn)
+    return Status(per_epoch, claimed, holding, by_worker, workers, now, recent_done(conn, qid, now))
 
 
 @dataclass(frozen=True)

@@ -51,15 +51,18 @@ out. The rules, the race with TensorFlow's threads and the bounds: ``docs/design
 
 Synchronous training (``MultiWorkerMirroredStrategy``): workers take different numbers of items,
 so their data ends unevenly, and a worker that stops stepping leaves the others waiting in a
-collective. Construct the queue with ``synchronous=True`` and iterate the dataset through
+collective. The queue uses the synchronous end by itself when the job looks synchronous
+(:func:`synchronous_training`: a multi-worker strategy in scope, or ``$TF_CONFIG`` naming two or
+more workers and no parameter server); ``synchronous=True``/``False`` overrides that. Iterate the
+dataset through
 ``strategy.experimental_distribute_dataset(...)`` (or ``distribute_datasets_from_function``) in a
 custom loop: TensorFlow's distributed iterator all-reduces at each step whether every worker
 still has data, so all workers run the same number of steps (the last with partial or empty
 batches) and end together (``tests/tf/test_tf_sync.py``). ``synchronous=True`` ends a worker's
 data as soon as nothing is claimable and other workers hold the rest, instead of waiting for
 those items (by default a worker waits, because a dead worker's items come back): a peer
-blocked in a collective that waits for this worker would never finish them, a deadlock that
-hung this test in 4 of ~55 runs without it. The price: if a peer dies holding items, the job
+blocked in a collective that waits for this worker would never finish them (a deadlock:
+``docs/design.md``, "History"). The price: if a peer dies holding items, the job
 (which a synchronous strategy cannot continue anyway) is restarted and they are taken then.
 Keras 3's ``model.fit`` did not run under that strategy with two workers in the tested
 TensorFlow 2.21 even on a plain ``tf.data.Dataset`` (a ``ValueError`` converting ``PerReplica``
@@ -69,21 +72,24 @@ values), so it is not covered. No other end-together mechanism is provided.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import re
 import threading
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from wq_sql.errors import QueueEmpty, QueueExhausted
+from wq_sql.ledger import Ledger, Mark
 from wq_sql.queue import Progress, WorkItem
 from wq_sql.queue import WorkQueue as _CoreQueue
+from wq_sql.tf_checkpoint import CheckpointListener, CheckpointManager, checkpoint_step
 from wq_sql.tf_readers import TableRecordReader, item_dataset, records_dataset
 
-__all__ = ["WorkQueue", "CheckpointManager", "CheckpointListener", "checkpoint_step",
+__all__ = ["WorkQueue", "CheckpointManager", "CheckpointListener", "checkpoint_step", "synchronous_training",
            "TableRecordReader", "records_dataset", "item_dataset"]
 
 log = logging.getLogger("wq_sql")
@@ -110,7 +116,7 @@ class WorkQueue:
     :meth:`close` / leaving a ``with`` block).
     """
 
-    def __init__(self, *args: Any, consumed: str = "taken", synchronous: bool = False,
+    def __init__(self, *args: Any, consumed: str = "taken", synchronous: Optional[bool] = None,
                  **kwargs: Any) -> None:
         if consumed not in ("taken", "checkpoint"):
             raise ValueError(f"consumed must be 'taken' (DeepRec) or 'checkpoint', got {consumed!r}")
@@ -120,8 +126,10 @@ class WorkQueue:
                                  "next take: leave auto_complete unset")
             kwargs["auto_complete"] = False
         self.consumed = consumed
-        self.synchronous = bool(synchronous)
-        self._ledger = _Ledger()
+        # None: chosen by the job's shape (synchronous_training()); the flag overrides it.
+        self.synchronous = synchronous_training() if synchronous is None else bool(synchronous)
+        # What checkpoints cover of this object's hand-outs (consumed='checkpoint'): wq_sql.ledger.
+        self.ledger = Ledger()
         self.queue = _CoreQueue(*args, **kwargs)
         self._stats_lock = threading.Lock()
         self._taken = 0
@@ -192,12 +200,12 @@ class WorkQueue:
                     claim: Optional[int] = None) -> list[WorkItem]:
         """Up to ``n`` items (see :meth:`wq_sql.WorkQueue.take_many`, also for ``claim``), as
         :meth:`_take_item`."""
-        call = self._ledger.start()
+        call = self.ledger.start()
         items: list[WorkItem] = []
         try:
             items = self._take_items_now(n, cancel_generation, claim)
         finally:
-            self._ledger.finish(call, items)
+            self.ledger.finish(call, items)
         with self._stats_lock:
             self._taken += len(items)
             self._last_epoch = items[-1].epoch
@@ -238,8 +246,8 @@ class WorkQueue:
                 pass
             if cancelled is not None and cancelled():
                 raise _Cancelled()
-            if self.queue.progress().remaining <= self._ledger.held():
-                self._ledger.ended = True
+            if self.queue.progress().remaining <= self.ledger.held():
+                self.ledger.ended = True
                 return self._end_of_data(n, claim)
             pause = min(2 * pause, self.queue.poll_seconds)
 
@@ -432,14 +440,14 @@ class WorkQueue:
         docstring, "Checkpoint-consistent consumption")."""
         return DEFAULT_READ_AHEAD + self._hand_out
 
-    def before_save(self) -> _Mark:
+    def before_save(self) -> Mark:
         """Call right before saving a checkpoint; pass the result to :meth:`after_save`. The
         checkpoint helpers (:meth:`checkpoint_manager`, :meth:`checkpoint_listener`) do it."""
         self._need_checkpoint_mode()
-        return self._ledger.mark()
+        return self.ledger.mark()
 
-    def after_save(self, step: int, before: _Mark, read_ahead: int = 0, *, data_ended: bool = False,
-                   _after: Optional[_Mark] = None) -> int:
+    def after_save(self, step: int, before: Mark, read_ahead: int = 0, *, data_ended: bool = False,
+                   _after: Optional[Mark] = None) -> int:
         """The checkpoint at global ``step`` was saved: mark done what it covers. ``read_ahead=0``:
         the pipeline's iterator is in the checkpoint, which covers every item handed out before
         the save began; ``read_ahead=W``: it is not, and an item counts as trained only once W
@@ -448,10 +456,10 @@ class WorkQueue:
         consumed), so the save covers everything handed out before it, whatever ``read_ahead``.
         Returns how many items were made done."""
         self._need_checkpoint_mode()
-        after = _after or self._ledger.mark()
-        covered, ambiguous = self._ledger.covered(before, after, 0 if data_ended else read_ahead)
+        after = _after or self.ledger.mark()
+        covered, ambiguous = self.ledger.covered(before, after, 0 if data_ended else read_ahead)
         lost = self.queue.cover(covered, step, ambiguous)
-        self._ledger.forget(covered)
+        self.ledger.forget(covered)
         if ambiguous:
             log.info("queue %r: %d item(s) were handed out while checkpoint %d was being saved; they "
                      "count as not covered (re-delivered if this checkpoint is restored)",
@@ -509,260 +517,26 @@ DEFAULT_READ_AHEAD = 8
 reader (shuffle, batch, prefetch, Keras' own) hold fewer records than 7 items have."""
 
 
-@dataclass(frozen=True)
-class _Mark:
-    """The hand-out counters at one instant: calls started, items handed out."""
-
-    calls: int
-    items: int
-
-
-class _Ledger:
-    """The items this process handed out that no checkpoint covers yet, in hand-out order, with
-    the hand-out call that produced them (``consumed='checkpoint'``). TensorFlow's threads hand
-    out while the training thread saves: a save is bracketed by two :meth:`mark` calls, never
-    by a lock (a hand-out waiting for a save that waits for it would deadlock)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls = 0
-        self._items = 0
-        self._held: list[tuple[int, int, WorkItem]] = []  # (call, index, item)
-        # During CheckpointManager.save: marks taken right before and after each iterator's
-        # serialization (see _bracket_iterators), else None.
-        self.serialized: Optional[list[_Mark]] = None
-        self.ended = False  # the queue ran out for this worker
-
-    def start(self) -> int:
-        with self._lock:
-            self._calls += 1
-            return self._calls - 1
-
-    def finish(self, call: int, items: list[WorkItem]) -> None:
-        with self._lock:
-            for item in items:
-                self._held.append((call, self._items, item))
-                self._items += 1
-
-    def mark(self) -> _Mark:
-        with self._lock:
-            return _Mark(self._calls, self._items)
-
-    def held(self) -> int:
-        with self._lock:
-            return len(self._held)
-
-    def covered(self, before: _Mark, after: _Mark, read_ahead: int) -> tuple[list[WorkItem], int]:
-        """(items the save covers, hand-outs that overlapped it).
-
-        ``read_ahead=0``, the iterator is in the checkpoint: saving an iterator waits for the
-        ``GetNext`` calls in flight (prefetch, parallel map and interleave threads), so every
-        call that started before the save began is in the saved state, once it finished. A
-        call that started during the save may or may not be: it stays uncovered, so restoring
-        this checkpoint delivers it again (at least once for those items). ``read_ahead=W``:
-        an item counts once ``W`` more items were handed out before the save began."""
-        with self._lock:
-            if read_ahead == 0:
-                covered = [i for c, _, i in self._held if c < before.calls]
-                ambiguous = sum(1 for c, _, _ in self._held if before.calls <= c < after.calls)
-                return covered, ambiguous
-            return [i for _, n, i in self._held if n + read_ahead < before.items], 0
-
-    def forget(self, items: list[WorkItem]) -> None:
-        gone = {id(i) for i in items}
-        with self._lock:
-            self._held = [h for h in self._held if id(h[2]) not in gone]
-
-
-class CheckpointManager:
-    """``tf.train.CheckpointManager`` for a queue with ``consumed='checkpoint'`` (made by
-    :meth:`WorkQueue.checkpoint_manager`). :meth:`save` marks done what the new checkpoint
-    covers, stamped with its number (pass ``checkpoint_number=`` the global step);
-    :meth:`restore` / :meth:`restore_or_initialize` restore it and re-open the items later
-    checkpoints had covered. ``manager`` is the wrapped ``tf.train.CheckpointManager``.
-
-    ``read_ahead=0`` (the default when ``checkpoint`` holds a ``tf.data`` iterator): exactly once
-    relative to the restored checkpoint. ``read_ahead=W`` (the default otherwise is
-    ``wq.default_read_ahead``): at least once, duplicates bounded by the records of ``W`` items."""
-
-    def __init__(self, work_queue: WorkQueue, checkpoint: tf.train.Checkpoint, directory: str,
-                 max_to_keep: Optional[int] = 5, *, read_ahead: Optional[int] = None, **kwargs: Any) -> None:
-        work_queue._need_checkpoint_mode()
-        if read_ahead is None:
-            read_ahead = 0 if _holds_iterator(checkpoint) else work_queue.default_read_ahead
-        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ValueError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
-        self.work_queue = work_queue
-        self.checkpoint = checkpoint
-        self.read_ahead = read_ahead
-        self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep, **kwargs)
-        if read_ahead == 0:
-            _bracket_iterators(checkpoint, work_queue._ledger)
-
-    @property
-    def latest_checkpoint(self) -> Optional[str]:
-        return self.manager.latest_checkpoint
-
-    @property
-    def checkpoints(self) -> list[str]:
-        return list(self.manager.checkpoints)
-
-    def save(self, checkpoint_number: Optional[int] = None, *, data_ended: bool = False,
-             **kwargs: Any) -> str:
-        """Save (``tf.train.CheckpointManager.save``), then mark the covered items done.
-        ``data_ended=True`` when the training loop has consumed all of its data (see
-        :meth:`WorkQueue.after_save`): the last save then covers every item."""
-        ledger = self.work_queue._ledger
-        before = self.work_queue.before_save()
-        ledger.serialized = []
-        path = self.manager.save(checkpoint_number, **kwargs)
-        # The iterators' own serialization, when it was seen, brackets the hand-outs more
-        # tightly than the whole save (which also writes files).
-        marks, ledger.serialized = ledger.serialized, None
-        if marks:
-            before = _Mark(min(m.calls for m in marks[0::2]), min(m.items for m in marks[0::2]))
-            after: Optional[_Mark] = marks[-1]
-        else:
-            after = None
-        self.work_queue.after_save(checkpoint_step(path), before, self.read_ahead, data_ended=data_ended,
-                                   _after=after)
-        return path
-
-    def restore(self, path: Optional[str]) -> Any:
-        """Restore ``checkpoint`` from ``path`` (``None``: start without one) and re-open the
-        items that checkpoint does not cover. Returns the restore status (or ``None``)."""
-        status = self.checkpoint.restore(path) if path else None
-        self.work_queue.restore(checkpoint_step(path) if path else None)
-        return status
-
-    def restore_or_initialize(self) -> Optional[str]:
-        """Restore the latest checkpoint, if any; returns its path."""
-        path = self.manager.latest_checkpoint
-        self.restore(path)
-        return path
-
-    def keras_callback(self, every_steps: int, step: Any = None) -> Any:
-        """A Keras callback that saves every ``every_steps`` training batches and at the end of
-        ``fit``, numbered with ``step`` (a variable; default ``model.optimizer.iterations``).
-        The save at the end covers every item when ``fit`` ended because the queue ran out for
-        this worker (not stopped early by a callback)."""
-        import keras
-
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise ValueError(f"every_steps must be a positive int, got {every_steps!r}")
-        manager = self
-
-        class QueueCheckpoint(keras.callbacks.Callback):
-            last: Optional[int] = None
-
-            def _step(self) -> int:
-                var = step if step is not None else self.model.optimizer.iterations
-                return int(keras.ops.convert_to_numpy(var))
-
-            def _save(self, data_ended: bool = False) -> None:
-                now = self._step()
-                if now != self.last or data_ended:
-                    manager.save(checkpoint_number=now, data_ended=data_ended)
-                    self.last = now
-
-            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-                if self._step() % every_steps == 0:
-                    self._save()
-
-            def on_train_end(self, logs: Any = None) -> None:
-                self._save(data_ended=manager.work_queue._ledger.ended and not self.model.stop_training)
-
-        return QueueCheckpoint()
-
-
-class CheckpointListener(tf.compat.v1.train.CheckpointSaverListener):
-    """TF1: makes a ``CheckpointSaverHook``'s saves mark done what they cover, stamped with the
-    global step (made by :meth:`WorkQueue.checkpoint_listener`)::
-
-        saver_hook = tf.compat.v1.train.CheckpointSaverHook(
-            ckpt_dir, save_steps=100, listeners=[wq.checkpoint_listener()])
-        with tf.compat.v1.train.MonitoredTrainingSession(
-                checkpoint_dir=ckpt_dir, save_checkpoint_secs=None, chief_only_hooks=[saver_hook]) as sess:
-
-    The hook saves once right after the session is created (restored or initialised): that
-    first save tells the listener the step the model starts from, and it re-opens the items
-    later checkpoints had covered (:meth:`WorkQueue.restore`). ``read_ahead`` as in
-    :meth:`WorkQueue.after_save`; 0 only if the pipeline's iterator is saved in the checkpoint
-    (``tf.data.experimental.make_saveable_from_iterator``)."""
-
-    def __init__(self, work_queue: WorkQueue, read_ahead: int) -> None:
-        work_queue._need_checkpoint_mode()
-        self.work_queue = work_queue
-        self.read_ahead = read_ahead
-        self._restored = False
-        self._before: Optional[_Mark] = None
-        self._last: Optional[tuple[int, _Mark]] = None
-
-    def before_save(self, session: Any, global_step_value: Any) -> None:
-        if not self._restored:
-            self.work_queue.restore(int(global_step_value))
-            self._restored = True
-        self._before = self.work_queue.before_save()
-
-    def after_save(self, session: Any, global_step_value: Any) -> None:
-        assert self._before is not None
-        self.work_queue.after_save(int(global_step_value), self._before, self.read_ahead)
-        self._last = (int(global_step_value), self._before)
-        self._before = None
-
-    def end(self, session: Any, global_step_value: Any) -> None:
-        # The hook saved once more as the session closed; if the queue ran out for this worker
-        # (the loop ended on OutOfRange), that checkpoint has seen every record.
-        if self.work_queue._ledger.ended and self._last is not None:
-            step, before = self._last
-            self.work_queue.after_save(step, before, data_ended=True)
-
-
-def checkpoint_step(path: str) -> int:
-    """The number a checkpoint's path ends with (``ckpt-120`` -> 120): the step it is stamped with."""
-    m = re.search(r"-(\d+)$", path)
-    if m is None:
-        raise ValueError(f"checkpoint path {path!r} does not end with -<number>; save with a "
-                         "tf.train.CheckpointManager or a Saver with global_step")
-    return int(m.group(1))
-
-
-def _bracket_iterators(checkpoint: Any, ledger: _Ledger) -> None:
-    """Mark the hand-out counters right before and after each ``tf.data`` iterator in
-    ``checkpoint`` serializes its state, so that only hand-outs starting inside that short
-    window are ambiguous, not those during the whole save. Wraps the iterator's
-    ``_serialize_to_tensors`` (TensorFlow's checkpoint hook, private); if a TensorFlow version
-    stops calling it, the whole save is the window again: more ambiguous hand-outs, never wrong."""
+def synchronous_training() -> bool:
+    """Whether this process looks like one worker of synchronous data-parallel training, whose
+    workers meet in collectives: a strategy in scope that spans several workers
+    (``MultiWorkerMirroredStrategy`` and kin), or ``$TF_CONFIG`` describing a cluster of two or
+    more ``worker``/``chief`` tasks and no ``ps`` task (a parameter-server job trains
+    asynchronously: its workers never wait for each other, so waiting for a peer's items is
+    safe there, and DeepRec's default)."""
+    if tf.distribute.has_strategy():
+        extended = tf.distribute.get_strategy().extended
+        multi = getattr(extended, "_in_multi_worker_mode", None)  # TF's own test, private
+        if callable(multi) and multi():
+            return True
     try:
-        objects = tf.train.TrackableView(checkpoint).descendants()
-    except Exception:
-        return
-    for obj in objects:
-        original = getattr(obj, "_serialize_to_tensors", None)
-        if not isinstance(obj, tf.data.Iterator) or original is None or getattr(original, "_wq_sql", False):
-            continue
-
-        def serialize(original: Any = original) -> Any:
-            marks = ledger.serialized
-            if marks is not None:
-                marks.append(ledger.mark())
-            try:
-                return original()
-            finally:
-                if marks is not None:
-                    marks.append(ledger.mark())
-
-        serialize._wq_sql = True  # type: ignore[attr-defined]
-        obj._serialize_to_tensors = serialize
-
-
-def _holds_iterator(checkpoint: Any) -> bool:
-    """Whether a ``tf.data`` iterator is among the objects ``checkpoint`` saves."""
-    try:
-        objects = tf.train.TrackableView(checkpoint).descendants()
-        return any(isinstance(obj, tf.data.Iterator) for obj in objects)
-    except Exception:  # not a trackable object graph: assume no iterator (at least once)
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
+    except (ValueError, AttributeError):
         return False
+    if not isinstance(cluster, dict) or cluster.get("ps"):
+        return False
+    workers = sum(len(cluster.get(kind) or []) for kind in ("worker", "chief"))
+    return workers >= 2
 
 
 class _Cancelled(Exception):

@@ -11,6 +11,7 @@ together. This test shows it with two real worker processes.
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -103,3 +104,30 @@ def test_synchronous_end_takes_what_a_refill_claimed_after_the_take_gave_up(db_u
     peer.close()
     with wq_sql.WorkQueue.attach("sync", url=db_url, worker="check") as check:
         assert check.progress().done == 2
+
+
+@pytest.mark.parametrize(("tf_config", "expected"), [
+    (None, False),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}, False),
+    ({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}}, True),
+    ({"cluster": {"chief": ["c:1"], "worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}, True),
+    ({"cluster": {"ps": ["p:1"], "worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}, False),
+    ("not json", False),
+])
+def test_the_synchronous_end_is_chosen_from_the_jobs_shape(
+        tf_config: object, expected: bool, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several workers and no parameter server: synchronous training, so the queue ends a
+    worker's data instead of waiting for a peer's items; a parameter-server job (DeepRec's) or a
+    single worker waits. The flag overrides the rule either way."""
+    from wq_sql.tf import WorkQueue, synchronous_training
+
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config if isinstance(tf_config, str) else json.dumps(tf_config))
+    assert synchronous_training() is expected
+    with WorkQueue(["a", "b"], name="auto", url=db_url, worker="w") as wq:
+        assert wq.synchronous is expected
+    with WorkQueue.attach("auto", url=db_url, worker="w", synchronous=not expected) as wq:
+        assert wq.synchronous is (not expected)
+

@@ -91,8 +91,10 @@ def mirrored(job: dict[str, Any]) -> dict[str, Any]:
     from wq_sql.tf import WorkQueue
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    work_queue = WorkQueue(job["works"], name="mirrored", url=job["url"], worker=f"worker:{job['index']}",
-                           synchronous=True)
+    # No synchronous= flag: the queue sees the multi-worker job in $TF_CONFIG and ends its data
+    # the synchronous way by itself (wq_sql.tf.synchronous_training).
+    work_queue = WorkQueue(job["works"], name="mirrored", url=job["url"], worker=f"worker:{job['index']}")
+    assert work_queue.synchronous
 
     def elements(work: tf.Tensor) -> tf.data.Dataset:
         n = tf.strings.to_number(tf.strings.substr(work, 1, 9), tf.int64) % 3 + 1

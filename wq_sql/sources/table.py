@@ -148,7 +148,7 @@ def _reader_engine(alias: Optional[str], own: Engine) -> Engine:
         else:
             raise InvalidInput(f"no database is configured for alias {alias!r}: call "
                                f"wq_sql.register_database({alias!r}, url) or set $WQ_SQL_DB_{alias.upper()}")
-        engine = target if isinstance(target, Engine) else make_engine(target, startup_options=False)
+        engine = target if isinstance(target, Engine) else make_engine(target, statement_timeout=None)
         engine = engine.execution_options(wq_read=True)
         _engines[key] = engine
         return engine

@@ -1,0 +1,544 @@
+"""A cluster's worth of workers on one machine: N workers at one queue through PgBouncer in
+transaction mode, on a throwaway PostgreSQL cluster with ``max_connections = 100``.
+
+Each worker is a distinct ``WorkQueue`` (its own worker identity, engine and heartbeat thread) in a
+thread; processes of ``--per-proc`` threads make up N (2 cores cannot run 2,000 processes). All
+workers use the defaults a user gets (``lease_seconds=60``, heartbeat every 5 s, ``poll_seconds=1``,
+``lease_ahead=1``) and a plain ``postgresql://`` URL of PgBouncer.
+
+``scale``: for each N (default 100, 500, 2000), in the same run:
+
+* **busy**: the workers ask for ``--rate`` items/s together (400: each item is N * 1000 / rate
+  ms of work, 250 ms at N = 100, 5 s at N = 2,000: the same load from 20x the workers, as a
+  fleet of trainers spending seconds per item does; ``--rate 0 --item-ms 0``: every worker takes
+  as fast as it can, which measures the harness's GIL at N >= 500) for ``--seconds``: items/s, ``take()`` p50/p99, server connections in use (``pg_stat_activity``,
+  sampled), PgBouncer's waiting clients, Postgres server CPU (``/proc`` of the cluster's
+  processes), the harness's own CPU (the worker processes), errors and refused connections.
+* **idle**: the end of an epoch: a holder claims every item of a second queue and keeps them for
+  ``--idle-seconds``; all N workers wait in ``take()``. Transactions (``pg_stat_database``) and
+  statements (``pg_stat_statements``) per worker per ``poll_seconds`` while they wait, polls
+  apart from heartbeats.
+
+Reported as ratios against N = 100. Targets (issue 17): at N = 2,000 throughput >= 0.8x and p99
+<= 5x of N = 100, no error, no refused connection; idle workers <= 1 poll per worker per
+``poll_seconds``.
+
+``tail``: the long tail at scale: ``--workers`` (200) workers, ``--slow-frac`` (10%) of them
+``--slow-factor`` (4x) slower, each item a sleep of ``--fast-ms``; makespan against the ideal
+(total work / total speed) and static sharding (``works[i::W]``, computed from the same speeds).
+Target: makespan <= 1.10x ideal.
+
+    .venv/bin/python bench/cluster_scale.py scale                  # N = 100, 500, 2000 (~10 min)
+    .venv/bin/python bench/cluster_scale.py scale --rate 0 --n 20,60 # no work per item: saturation
+    .venv/bin/python bench/cluster_scale.py tail                   # 200 workers, 10% 4x slow
+    make bench-cluster                                             # both, as in BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, dump, git_rev, machine, pct  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+from pgbouncer import PgBouncer  # noqa: E402
+from pgcluster import PgCluster  # noqa: E402
+
+from wq_sql import QueueExhausted, WorkQueue  # noqa: E402
+
+DB = "scale"
+POLL_SECONDS = 1.0
+
+
+# ---------------------------------------------------------------- /proc
+
+
+def _cpu_of(pids: list[int]) -> dict[int, float]:
+    """utime + stime (seconds) of each pid still alive."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _children(ppid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                    kids.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+class CpuMeter:
+    """CPU seconds used by a process tree (the postmaster and its children, or one process)
+    between :meth:`start` and :meth:`stop`; processes that exit meanwhile are lost (PgBouncer
+    keeps its server connections, so few do)."""
+
+    def __init__(self, root: int, tree: bool) -> None:
+        self.root, self.tree = root, tree
+
+    def _pids(self) -> list[int]:
+        return [self.root, *(_children(self.root) if self.tree else [])]
+
+    def start(self) -> None:
+        self.t0, self.c0 = time.monotonic(), _cpu_of(self._pids())
+
+    def stop(self) -> tuple[float, float]:
+        """(CPU seconds, wall seconds)."""
+        c1 = _cpu_of(self._pids())
+        cpu = sum(v - self.c0.get(pid, 0.0) for pid, v in c1.items())
+        return cpu, time.monotonic() - self.t0
+
+
+# ---------------------------------------------------------------- the worker processes
+
+
+class _Count(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:200])
+
+
+def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optional[str], ready: Any,
+          go: Any, stop: Any, idle_ready: Any, out: Any, slow: Optional[list[float]] = None) -> None:
+    """``n`` worker threads. Busy phase: take until ``stop`` (or the queue ends); idle phase: join
+    queue ``idle`` and take until it ends. Puts one dict of results."""
+    warn = _Count()
+    logging.getLogger("wq_sql").addHandler(warn)
+    cpu0 = time.process_time()
+    lat: list[list[float]] = [[] for _ in range(n)]
+    counts = [0] * n
+    finished = [0.0] * n
+    errors: list[str] = []
+    ready_b = threading.Barrier(n + 1)
+    idle_b = threading.Barrier(n + 1)
+    t_go = [0.0]
+
+    def worker(k: int) -> None:
+        name = f"w{first + k}"
+        ms = slow[k] if slow is not None else item_ms
+        wq = None
+        try:
+            wq = WorkQueue.attach(busy, url=url, worker=name)
+        except BaseException as e:  # noqa: BLE001 - reported
+            errors.append(f"{name} join: {type(e).__name__}: {e}"[:300])
+        ready_b.wait()
+        go.wait()
+        try:
+            while wq is not None and not stop.is_set():
+                t = time.perf_counter()
+                wq.take()
+                lat[k].append(time.perf_counter() - t)
+                if not stop.is_set():
+                    counts[k] += 1
+                if ms:
+                    time.sleep(ms / 1e3)
+        except QueueExhausted:
+            finished[k] = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001 - reported
+            errors.append(f"{name} take: {type(e).__name__}: {e}"[:300])
+        finally:
+            if wq is not None:
+                try:
+                    wq.close()
+                except BaseException as e:  # noqa: BLE001 - reported
+                    errors.append(f"{name} close: {type(e).__name__}: {e}"[:300])
+        if idle is None:
+            return
+        wq2 = None
+        try:
+            wq2 = WorkQueue.attach(idle, url=url, worker=name)
+        except BaseException as e:  # noqa: BLE001 - reported
+            errors.append(f"{name} join idle: {type(e).__name__}: {e}"[:300])
+        idle_b.wait()
+        try:
+            while wq2 is not None:
+                wq2.take()
+        except QueueExhausted:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported
+            errors.append(f"{name} idle take: {type(e).__name__}: {e}"[:300])
+        finally:
+            if wq2 is not None:
+                wq2.close()
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    ready_b.wait()
+    ready.set()
+    go.wait()
+    t_go[0] = time.perf_counter()
+    cpu_go = time.process_time()
+    if idle is None:  # the long tail: the workers end with the queue
+        for t in threads:
+            t.join()
+    else:
+        stop.wait()
+    cpu_busy = time.process_time() - cpu_go
+    cpu_idle0 = time.process_time()
+    if idle is not None:
+        idle_b.wait()
+        idle_ready.set()
+        for t in threads:
+            t.join()
+    out.put({"lat": [x for ls in lat for x in ls], "items": sum(counts), "errors": errors,
+             "warnings": warn.messages, "cpu_busy": cpu_busy, "cpu_idle": time.process_time() - cpu_idle0,
+             "cpu_total": time.process_time() - cpu0, "t_go": t_go[0],
+             "finished": [f - t_go[0] for f in finished if f]})
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+class Rig:
+    """A throwaway cluster (max_connections 100, pg_stat_statements) and PgBouncer in front."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        settings: dict[str, Any] = {"max_connections": 100,
+                                    "shared_preload_libraries": "pg_stat_statements"}
+        settings.update(kv.split("=", 1) for kv in a.pg_set)
+        self.pg = PgCluster(settings, base_dir=os.environ.get("WQ_SQL_BENCH_TMP"))
+        self.pg.start()
+        self.pg.sql(f'CREATE DATABASE "{DB}"')
+        self.pg.sql("CREATE EXTENSION pg_stat_statements", DB)
+        self.bouncer = PgBouncer("127.0.0.1", self.pg.port, pool_size=a.pool_size, max_client_conn=20_000,
+                                 settings={"max_db_connections": a.pool_size}).start()
+        self.url = self.bouncer.url(DB)
+        print(f"# cluster {self.pg.url(DB)} (max_connections 100{', ' + ', '.join(a.pg_set) if a.pg_set else ''}), "
+              f"PgBouncer {self.url} (transaction pooling, pool {a.pool_size})", flush=True)
+
+    def sql(self, q: str) -> list[Any]:
+        return self.pg.sql(q, DB)
+
+    def close(self) -> None:
+        self.bouncer.close()
+        self.pg.close()
+
+    def server_connections(self) -> int:
+        return int(self.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                            "AND backend_type = 'client backend' AND pid <> pg_backend_pid()")[0][0])
+
+    def xacts(self) -> int:
+        return int(self.sql("SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                            "WHERE datname = current_database()")[0][0])
+
+    def refused(self) -> int:
+        """Clients PgBouncer turned away (its log), and server connections Postgres refused."""
+        assert self.bouncer.dir is not None
+        log = (self.bouncer.dir / "pgbouncer.log").read_text(errors="replace")
+        return sum(log.count(m) for m in ("no more connections allowed", "too many clients",
+                                         "remaining connection slots"))
+
+
+class Sampler(threading.Thread):
+    """Samples server connections and PgBouncer's waiting clients every 0.5 s."""
+
+    def __init__(self, rig: Rig) -> None:
+        super().__init__(daemon=True)
+        self.rig, self.halt = rig, threading.Event()
+        self.conns: list[int] = []
+        self.waiting: list[int] = []
+
+    def run(self) -> None:
+        while not self.halt.wait(0.5):
+            try:
+                self.conns.append(self.rig.server_connections())
+                pools = [p for p in self.rig.bouncer.show("pools") if p["database"] == DB]
+                self.waiting.append(sum(int(p["cl_waiting"]) for p in pools))
+            except Exception:  # noqa: BLE001 - a sample lost under load is not a result
+                pass
+
+
+def _create(url: str, name: str, n_items: int) -> None:
+    WorkQueue([f"item-{i:07d}" for i in range(n_items)], name=name, url=url, shuffle=False,
+              worker=f"creator-{name}").close()
+
+
+def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idle: Optional[str],
+                 slow: Optional[list[float]] = None) -> tuple[list[Any], dict[str, Any]]:
+    ctx = mp.get_context("fork")
+    ev = {"go": ctx.Event(), "stop": ctx.Event(), "out": ctx.Queue()}
+    procs, readies, idles = [], [], []
+    for first in range(0, n, per_proc):
+        k = min(per_proc, n - first)
+        r, i = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=_proc, args=(rig.url, first, k, item_ms, busy, idle, r, ev["go"], ev["stop"],
+                                            i, ev["out"], slow[first:first + k] if slow else None))
+        p.start()
+        procs.append(p)
+        readies.append(r)
+        idles.append(i)
+    ev["readies"], ev["idles"] = readies, idles
+    return procs, ev
+
+
+def _wait_all(events: list[Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    for e in events:
+        if not e.wait(max(0.1, deadline - time.monotonic())):
+            raise RuntimeError(f"{what}: not every worker process got ready within {timeout:.0f}s")
+
+
+def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
+    busy, idle = f"busy{n}", f"idle{n}"
+    _create(rig.url, busy, a.items)
+    _create(rig.url, idle, a.idle_items)
+    t0 = time.monotonic()
+    item_ms = n * 1e3 / a.rate if a.rate else a.item_ms
+    procs, ev = _start_procs(rig, n, a.per_proc, item_ms, busy, idle)
+    _wait_all(ev["readies"], 600, "join")
+    join_s = time.monotonic() - t0
+    harness = [CpuMeter(p.pid, False) for p in procs]
+    server, bouncer = CpuMeter(rig.pg.postmaster_pid(), True), CpuMeter(rig.bouncer.pid or 0, False)
+    sampler = Sampler(rig)
+    x0 = rig.xacts()
+    for m in (server, bouncer, *harness):
+        m.start()
+    sampler.start()
+    ev["go"].set()
+    time.sleep(a.seconds)
+    ev["stop"].set()
+    server_cpu, wall = server.stop()
+    bouncer_cpu, _ = bouncer.stop()
+    harness_cpu = sum(m.stop()[0] for m in harness)
+    busy_xacts = rig.xacts() - x0
+    sampler.halt.set()
+    sampler.join()
+
+    # Idle: a holder claims every item of the idle queue; the N workers wait in take().
+    holder = WorkQueue.attach(idle, url=rig.url, worker="holder", lease_ahead=a.idle_items)
+    holder.take()  # claims all of them: the rest stay in this process's buffer, claimed
+    _wait_all(ev["idles"], 600, "idle join")
+    time.sleep(a.idle_warmup)  # the waits back off to poll_seconds
+    rig.sql("SELECT pg_stat_statements_reset()")
+    x0 = rig.xacts()
+    server.start()
+    for m in harness:
+        m.start()
+    time.sleep(a.idle_seconds)
+    idle_server_cpu, idle_wall = server.stop()
+    idle_harness_cpu = sum(m.stop()[0] for m in harness)
+    idle_xacts = rig.xacts() - x0
+    stmts = rig.sql("SELECT calls, query FROM pg_stat_statements WHERE dbid = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY calls DESC")
+    holder.close()  # hands the items back: the workers take them and see the queue end
+    results = [ev["out"].get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    lat = [x for r in results for x in r["lat"]]
+    items = sum(r["items"] for r in results)
+    errors = [e for r in results for e in r["errors"]]
+    warnings = [w for r in results for w in r["warnings"]]
+    # Statements per kind in the idle window (pg_stat_statements; BEGIN/COMMIT are not tracked
+    # by default, transactions are counted by pg_stat_database).
+    def kind(q: str) -> str:
+        ql = q.lower().strip()
+        if ql in ("begin", "commit", "rollback"):
+            return "begin/commit"
+        if "set_config" in ql:
+            return "timeouts"
+        if "pg_stat_statements" in ql or "pg_stat_activity" in ql or "pg_stat_database" in ql:
+            return "bench"
+        if "heartbeat_at" in ql and "update" in ql:
+            return "heartbeat"
+        if "lease_until" in ql and "update" in ql or "wq_workers" in ql:
+            return "heartbeat"  # renew, holders to check, expire: the heartbeat's round
+        return "poll"
+    by_kind: dict[str, int] = {}
+    for calls, q in stmts:
+        by_kind[kind(q)] = by_kind.get(kind(q), 0) + int(calls)
+    polls = idle_wall / POLL_SECONDS
+    top = [(int(c), " ".join(q.split())[:90]) for c, q in stmts[:6]]
+    return {"n": n, "procs": len(procs), "join_s": join_s, "item_ms": item_ms, "rate": items / wall, "items": items,
+            "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "takes": len(lat),
+            "conns_max": max(sampler.conns or [0]), "conns_median": statistics.median(sampler.conns or [0]),
+            "bouncer_waiting_max": max(sampler.waiting or [0]),
+            "server_cpu": server_cpu / wall, "bouncer_cpu": bouncer_cpu / wall, "harness_cpu": harness_cpu / wall,
+            "server_cpu_ms_per_item": server_cpu / max(1, items) * 1e3,
+            "harness_cpu_ms_per_item": harness_cpu / max(1, items) * 1e3,
+            "busy_xacts_per_s": busy_xacts / wall,
+            "idle_xacts_per_worker_per_poll": idle_xacts / n / polls,
+            "idle_polls_per_worker_per_poll": by_kind.get("poll", 0) / n / polls,
+            "idle_stmts_per_worker_per_poll": sum(v for k, v in by_kind.items()
+                                                  if k not in ("bench", "begin/commit")) / n / polls,
+            "idle_by_kind": by_kind, "idle_top": top,
+            "idle_server_cpu": idle_server_cpu / idle_wall, "idle_harness_cpu": idle_harness_cpu / idle_wall,
+            "errors": errors[:10], "n_errors": len(errors), "warnings": warnings[:5], "n_warnings": len(warnings),
+            "refused": rig.refused()}
+
+
+def scale(a: argparse.Namespace) -> int:
+    ns = [int(x) for x in a.n.split(",")]
+    rig = Rig(a)
+    runs = []
+    try:
+        for n in ns:
+            r = run_scale(rig, n, a)
+            runs.append(r)
+            print(f"  N={n:5d} ({r['procs']} procs, joined in {r['join_s']:.0f}s): {r['rate']:7.0f} items/s, "
+                  f"take p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms, server conns max {r['conns_max']}, "
+                  f"bouncer waiting max {r['bouncer_waiting_max']}, CPU server {r['server_cpu']:.2f} "
+                  f"bouncer {r['bouncer_cpu']:.2f} harness {r['harness_cpu']:.2f} cores; idle: "
+                  f"{r['idle_xacts_per_worker_per_poll']:.2f} tx, {r['idle_polls_per_worker_per_poll']:.2f} polls "
+                  f"per worker per poll_seconds {r['idle_by_kind']}; errors {r['n_errors']}, "
+                  f"warnings {r['n_warnings']}, refused {r['refused']}", flush=True)
+            for e in r["errors"][:3] + r["warnings"][:3]:
+                print("    ", e, flush=True)
+    finally:
+        rig.close()
+    report_scale(runs, a)
+    dump(a.json, runs)
+    return 0
+
+
+def report_scale(runs: list[dict[str, Any]], a: argparse.Namespace) -> None:
+    ref = runs[0]
+    load = (f"the workers ask for {a.rate:g} items/s together (item = N * 1000 / {a.rate:g} ms of work)"
+            if a.rate else f"item {a.item_ms:g} ms")
+    print(f"\n## {len(runs)} sizes, {a.seconds:.0f} s busy and {a.idle_seconds:.0f} s idle each, "
+          f"{a.per_proc} workers per process, {load}, PgBouncer pool {a.pool_size}\n")
+    print("| N | procs | item ms | items/s | x N=100 | take p50 / p99 ms | p99 x N=100 | server conns (max) "
+          "| clients waiting in PgBouncer (max) | server CPU cores | x N=100 | PgBouncer CPU | harness CPU "
+          "| server / harness CPU ms per item | idle: tx / polls per worker per poll_seconds | idle server CPU "
+          "| errors / refused |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['n']} | {r['procs']} | {r['item_ms']:g} | {r['rate']:.0f} | {r['rate'] / ref['rate']:.2f} "
+              f"| {r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['p99_ms'] / ref['p99_ms']:.2f} | {r['conns_max']} "
+              f"| {r['bouncer_waiting_max']} | {r['server_cpu']:.2f} | {r['server_cpu'] / ref['server_cpu']:.2f} "
+              f"| {r['bouncer_cpu']:.2f} | {r['harness_cpu']:.2f} "
+              f"| {r['server_cpu_ms_per_item']:.2f} / {r['harness_cpu_ms_per_item']:.2f} "
+              f"| {r['idle_xacts_per_worker_per_poll']:.2f} / {r['idle_polls_per_worker_per_poll']:.2f} "
+              f"| {r['idle_server_cpu']:.2f} | {r['n_errors']} / {r['refused']} |")
+    last = runs[-1]
+    checks = [(f"throughput >= 0.8x of N={ref['n']}", last["rate"] / ref["rate"] >= 0.8),
+              (f"p99 <= 5x of N={ref['n']}", last["p99_ms"] / ref["p99_ms"] <= 5.0),
+              ("no error", all(r["n_errors"] == 0 for r in runs)),
+              ("no refused connection", all(r["refused"] == 0 for r in runs)),
+              ("idle: <= 1 poll per worker per poll_seconds",
+               all(r["idle_polls_per_worker_per_poll"] <= 1.0 for r in runs))]
+    print(f"\nat N={last['n']}: " + "; ".join(f"{c}: {'met' if ok else 'MISSED'}" for c, ok in checks))
+    print("\nidle window, statements by kind (pg_stat_statements):")
+    for r in runs:
+        print(f"  N={r['n']}: {r['idle_by_kind']}; top: {r['idle_top'][:3]}")
+    print(flush=True)
+
+
+# ---------------------------------------------------------------- the long tail at scale
+
+
+def tail(a: argparse.Namespace) -> int:
+    rig = Rig(a)
+    w = a.workers
+    n_slow = max(1, round(w * a.slow_frac))
+    # Slow workers spread over the processes (every k-th), not all in one.
+    step = w / n_slow
+    slow_idx = {int(i * step) for i in range(n_slow)}
+    ms = [a.fast_ms * (a.slow_factor if i in slow_idx else 1.0) for i in range(w)]
+    items = a.items_per_worker * w
+    speed = sum(1e3 / m for m in ms)
+    ideal = items / speed
+    static = max(len(range(i, items, w)) * ms[i] / 1e3 for i in range(w))
+    try:
+        name = "tail"
+        _create(rig.url, name, items)
+        procs, ev = _start_procs(rig, w, a.per_proc, 0.0, name, None, ms)
+        _wait_all(ev["readies"], 600, "join")
+        server = CpuMeter(rig.pg.postmaster_pid(), True)
+        server.start()
+        ev["go"].set()
+        # The workers end by themselves (QueueExhausted), each process once its threads did.
+        deadline = time.monotonic() + ideal * 3 + 120
+        results = []
+        while len(results) < len(procs) and time.monotonic() < deadline:
+            try:
+                results.append(ev["out"].get(timeout=1))
+            except queue.Empty:
+                continue
+        server_cpu, wall = server.stop()
+        for p in procs:
+            p.join(60)
+    finally:
+        rig.close()
+    finished = [f for r in results for f in r["finished"]]
+    errors = [e for r in results for e in r["errors"]]
+    makespan = max(finished) if finished else math.nan
+    print(f"\n## long tail at scale: {w} workers ({n_slow} of them {a.slow_factor:g}x slow), {items} items of "
+          f"{a.fast_ms:g} ms (slow: {a.fast_ms * a.slow_factor:g} ms), through PgBouncer\n")
+    print("| | seconds | x ideal |")
+    print("|---|---|---|")
+    print(f"| work queue (measured: go to the last worker's end) | {makespan:.2f} | {makespan / ideal:.3f} |")
+    print(f"| static sharding, works[i::{w}] (computed) | {static:.2f} | {static / ideal:.3f} |")
+    print(f"| ideal: total work / total speed (computed) | {ideal:.2f} | 1.000 |")
+    print(f"\nworkers that ended: {len(finished)} of {w}; errors {len(errors)} {errors[:3]}; "
+          f"server CPU {server_cpu / wall:.2f} cores; target makespan <= 1.10x ideal: "
+          f"{'met' if makespan / ideal <= 1.10 and not errors and len(finished) == w else 'MISSED'}", flush=True)
+    dump(a.json, {"makespan": makespan, "ideal": ideal, "static": static, "errors": errors,
+                  "ended": len(finished), "workers": w})
+    return 0 if not errors else 1
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("scale", "tail"):
+        p = sub.add_parser(name)
+        p.add_argument("--per-proc", type=int, default=250, help="worker threads per process")
+        p.add_argument("--pool-size", type=int, default=20,
+                       help="PgBouncer's server connections for the database (default_pool_size and "
+                            "max_db_connections)")
+        p.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
+                       help="a postgresql.conf setting of the throwaway cluster (repeatable)")
+        p.add_argument("--json", default=None)
+    s = sub.choices["scale"]
+    s.add_argument("--n", default="100,500,2000")
+    s.add_argument("--seconds", type=float, default=20.0)
+    s.add_argument("--rate", type=float, default=400.0,
+                   help="items/s the N workers ask for together: each item is N * 1000 / rate ms of work, "
+                        "so every N offers the same load (0: --item-ms)")
+    s.add_argument("--item-ms", type=float, default=0.0, help="with --rate 0: work per item (0: none)")
+    s.add_argument("--items", type=int, default=500_000, help="items of the busy queue (never runs out)")
+    s.add_argument("--idle-items", type=int, default=4)
+    s.add_argument("--idle-warmup", type=float, default=5.0)
+    s.add_argument("--idle-seconds", type=float, default=10.0)
+    t = sub.choices["tail"]
+    t.add_argument("--workers", type=int, default=200)
+    t.add_argument("--slow-frac", type=float, default=0.1)
+    t.add_argument("--slow-factor", type=float, default=4.0)
+    t.add_argument("--fast-ms", type=float, default=500.0)
+    t.add_argument("--items-per-worker", type=int, default=50)
+    a = ap.parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    print("#", machine(), "rev", git_rev(), flush=True)
+    return scale(a) if a.cmd == "scale" else tail(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,313 @@
+"""Handing out items: the stateful loop of one queue object.
+
+A :class:`Dispenser` owns the queue object's lock and the condition its waits sleep on. It hands
+out what the buffer holds; refills the buffer with claim rounds (in the caller's thread, or in
+the refill thread: :meth:`prefetch`); when nothing is claimable it makes the next epoch, detects
+the end of the queue or returns expired leases; and otherwise waits, woken by what it waits for
+(an item landing in the buffer, :meth:`wake`) or by a read-only poll of the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from sqlalchemy import Connection
+
+from wq_sql import ops
+from wq_sql.claim import ClaimRound
+from wq_sql.db import Db
+from wq_sql.epochs import EpochMaker
+from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
+from wq_sql.holdings import Holdings, WorkItem
+from wq_sql.lease import Member
+from wq_sql.pacer import Pace, Refiller
+from wq_sql.weak import weak_method
+
+log = logging.getLogger("wq_sql")
+ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know after this many polls
+
+
+@dataclass
+class Extent:
+    """How many items a queue has: ``num_epochs`` may grow (``extend_epochs``)."""
+
+    items_per_epoch: int
+    num_epochs: int
+
+    @property
+    def total(self) -> int:
+        return self.items_per_epoch * self.num_epochs
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What one queue object's hand-outs follow (``WorkQueue``'s keywords of the same names)."""
+
+    name: str
+    worker: str
+    lease_ahead: int
+    poll_seconds: float
+    max_attempts: int
+    auto_complete: bool
+    claim_ahead: bool
+
+
+class Dispenser:
+    """See the module docstring. ``book`` is shared with the owner, which reads and changes it
+    only while holding :attr:`lock`; ``member`` is replaced after a fork re-registers."""
+
+    def __init__(self, db: Db, qid: int, member: Member, book: Holdings, round_: ClaimRound,
+                 epochs: EpochMaker, extent: Extent, rules: Rules) -> None:
+        self.db, self.qid, self.member, self.book = db, qid, member, book
+        self.round, self.epochs, self.extent, self.rules = round_, epochs, extent, rules
+        self.lock = threading.RLock()
+        # Notified when the buffer gets items or something in this process may have made an item
+        # claimable (``news`` counts those): a waiting take() wakes at once (see wait()).
+        self.changed = threading.Condition(self.lock)
+        self.news = 0
+        self.closed = False
+        self.superseded = False
+        self.filling = False                        # a prefetch() round trip is in flight
+        self.pace = Pace()                          # how often this worker takes items
+        self.refiller: Optional[Refiller] = None   # refills the buffer in the background
+        self.pid = os.getpid()
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise WqSqlError(f"queue {self.rules.name!r} is closed")
+        if self.superseded:
+            raise WorkerConflict(f"another process took over worker {self.rules.worker!r} while this "
+                                 "one was not heartbeating (stopped or partitioned); its items were "
+                                 "handed on")
+
+    def take_many(self, n: int, deadline: Optional[float], claim: Optional[int],
+                  stop: Optional[Callable[[], bool]]) -> list[WorkItem]:
+        """``WorkQueue.take_many``: hand out, refill, or wait, until items or an exception."""
+        while True:
+            with self.lock:
+                self.check_usable()
+                book = self.book
+                if self.rules.auto_complete:
+                    book.ack_out()
+                while not book.buffer and self.filling:  # prefetch() is claiming: no 2nd claim
+                    self.changed.wait()
+                if not book.buffer:
+                    self._fill(claim)
+                if book.buffer:
+                    got = book.hand_out(n)
+                    self.pace.handed_out(time.monotonic())
+                    # Claim ahead only once the buffer is empty: a round then claims up to
+                    # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
+                    r = self.refills() if self.rules.claim_ahead and not book.buffer else None
+                    if r is not None:
+                        r.schedule(self.pace)
+                    return got
+            self._wait(deadline, stop)
+
+    def _wait(self, deadline: Optional[float], stop: Optional[Callable[[], bool]]) -> None:
+        """Nothing was claimable, but live workers hold items. Wait until this worker's own buffer
+        holds an item (a refill thread may claim one at any moment, and notifies), something in
+        this process may have made an item claimable (the epoch maker's rows, an item released or
+        expired here: :meth:`wake`), or a poll of the database says an item may be claimable or
+        the queue is finished. Polls are read-only probes (cheap for the database even with a
+        thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
+        the lock is not held during a poll, so other threads can complete items meanwhile."""
+        pause = 0.02
+        # Poll about as often as this worker took items while it had work (never more than every
+        # 20 ms, never less than every poll_seconds): at the end of a drain, the others' last
+        # items take about that long, and a 1 s backoff would add up to 1 s to the job.
+        cap = min(self.rules.poll_seconds, max(pause, self.pace.interval or self.rules.poll_seconds))
+        with self.lock:
+            news = self.news
+        polls = 0
+        db = self.db
+        while True:
+            # Jittered while backing off (waiters started together drift apart), then every
+            # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
+            next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
+            with self.lock:
+                while True:
+                    if self.book.buffer or self.news != news or self.closed:
+                        return  # take_many() hands out, claims again, or says it is closed
+                    now = time.monotonic()
+                    if (deadline is not None and now >= deadline) or (stop is not None and stop()):
+                        raise QueueEmpty(f"no item of queue {self.rules.name!r} is claimable now; "
+                                         "other workers still hold the remaining ones")
+                    if now >= next_poll:
+                        break
+                    self.changed.wait(min(next_poll, deadline if deadline is not None else next_poll) - now)
+            pause = min(pause * 2, cap)
+            peek = db.tx(lambda c: ops.peek(c, db.dialect, self.qid, self.member.worker_id), read=True)
+            if (peek.pending or peek.expired or peek.finished >= self.extent.total
+                    or peek.epochs_created != self.epochs.created):
+                return
+            polls += 1
+            if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
+                return
+
+    def _adopt_orphans(self) -> bool:
+        """The guard for what the rest cannot prove: items the database says this worker holds
+        but no part of this object knows (claimed into a buffer that no consumer looks at, or
+        claimed by a commit whose reply an outage lost). With the lock held and no refill in
+        flight the local book is complete, so such an item is put in the buffer for the waiting
+        consumer, with a WARNING: it should never happen."""
+        with self.lock:
+            if self.filling or self.closed:
+                return False
+            held = self.db.tx(lambda c: ops.held_by(c, self.qid, self.member.worker_id), read=True)
+            known = self.book.known()
+            lost = [c for c in held if c.id not in known]
+            if not lost:
+                return False
+            works = self.db.tx(lambda c: ops.works_by_idx(c, self.qid, [x.work_idx for x in lost]),
+                               read=True)
+            log.warning("queue %r: worker %r holds %d item(s) that it never handed out and no part of "
+                        "it knew about; handing them out now: %s", self.rules.name, self.rules.worker,
+                        len(lost), ", ".join(f"(epoch {c.epoch}, seq {c.seq})" for c in lost))
+            self.book.add(lost, works)
+            self.changed.notify_all()
+            return True
+
+    def wake(self) -> None:
+        """``WorkQueue.wake``: every waiting take looks again now."""
+        with self.lock:
+            self.news += 1
+            self.changed.notify_all()
+
+    def _claim(self, acks: list[WorkItem], limit: int) -> int:
+        """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
+        items join the buffer. Returns how many."""
+        keys = [a.key for a in acks]
+        accepted, got, works = self.db.driver_tx(
+            lambda conn: self.round.run(conn, self.qid, self.member.worker_id, keys, limit))
+        with self.lock:  # one critical section: a waiting take() sees the buffer filled
+            self.book.settle(acks, accepted, self.rules.name)
+            self.book.add(got, works)
+            self.changed.notify_all()
+        self.epochs.after_claim(got)
+        return len(got)
+
+    def _fill(self, limit: Optional[int] = None) -> None:
+        """One round trip, with the lock held: acknowledge finished items and claim up to
+        ``limit`` (at most ``lease_ahead``, the default) new ones. If none is claimable, try to
+        make the next epoch, detect the end, or return expired items, in that order."""
+        db, qid, rules = self.db, self.qid, self.rules
+        limit = rules.lease_ahead if limit is None else max(1, min(limit, rules.lease_ahead))
+        created = self.epochs.created
+        acks = self.book.send_acks()
+        try:
+            if self._claim(acks, limit):
+                return
+        except BaseException:
+            self.book.unsend(acks)
+            raise
+        if self.epochs.created != created:  # the epoch maker committed rows the claim did not see
+            return self._fill(limit)
+        # Nothing pending. The next epoch may be missing (a crash between a claim and its
+        # advance), the queue may be finished (checked before expiring leases: a finished queue
+        # holds none, and the end of every worker's drain comes here), or leases may have expired.
+        if self.epochs.make():
+            return self._fill(limit)
+
+        def finished(c: Connection) -> tuple[int, int, int]:
+            done, failed = ops.progress(c, qid)
+            return done, failed, ops.find_queue_by_id(c, qid).num_epochs
+
+        done, failed, num_epochs = db.tx(finished, read=True)
+        if num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
+            self.extent.num_epochs = num_epochs
+            return self._fill(limit)
+        if done + failed >= self.extent.total:
+            raise QueueExhausted(rules.name, done, failed)
+        if db.may_expire and db.tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts)):
+            return self._fill(limit)
+
+    def prefetch(self, min_claim: int = 1) -> int:
+        """``WorkQueue.prefetch``: top the buffer up without holding the lock meanwhile."""
+        with self.lock:
+            self.check_usable()
+            n = self.rules.lease_ahead - len(self.book.buffer) - max(0, self.book.handed - 1)
+            if self.filling or n < max(1, min_claim):
+                return 0
+            acks = self.book.send_acks()
+            self.filling = True
+        try:
+            return self._claim(acks, n)
+        except BaseException:
+            with self.lock:
+                self.book.unsend(acks)
+            raise
+        finally:
+            with self.lock:
+                self.filling = False
+                self.changed.notify_all()
+
+    def refills(self) -> Optional[Refiller]:
+        """The refill thread, started if needed; None once closed or superseded."""
+        r = self.refiller
+        if r is None or not r.alive():
+            with self.lock:
+                if self.closed or self.superseded:
+                    return None
+                r = self.refiller
+                if r is None or not r.alive():
+                    r = self.refiller = Refiller(weak_method(self.prefetch, 0), self.rules.name)
+        return r
+
+    def stop_refills(self) -> None:
+        """``WorkQueue.stop_refills``: the refill thread stops; a refill in flight lands first."""
+        r = self.refiller
+        if r is not None and os.getpid() == self.pid:
+            r.stop()
+        with self.lock:
+            while self.filling:
+                self.changed.wait()
+
+    def close(self) -> bool:
+        """Stop handing out: False if already closed. Called with the lock held."""
+        if self.closed:
+            return False
+        while self.filling:  # a prefetch() in flight adds its items to the buffer first
+            self.changed.wait()
+        self.closed = True
+        self.changed.notify_all()  # takes waiting in other threads see it closed
+        return True
+
+    def holding(self, stop: threading.Event) -> Optional[tuple[set[int], int]]:
+        """For the heartbeat: the tokens of the items held, and how many are buffered; None once
+        closed (or in a forked child that has not re-registered yet)."""
+        # close() joins the heartbeat while holding the lock: once it is stopping, stop waiting
+        # for the lock, or close() stalls for the whole join timeout (bench/long_tail.py).
+        while not self.lock.acquire(timeout=0.05):
+            if stop.is_set():
+                return None
+        try:
+            if self.closed or os.getpid() != self.pid:
+                return None
+            return self.book.tokens(), len(self.book.buffer)
+        finally:
+            self.lock.release()
+
+    def lose_identity(self) -> None:
+        self.superseded = True
+
+    def after_fork(self, member: Member) -> None:
+        """In a forked child, re-registered as ``member``: nothing of the parent's hand-outs."""
+        self.pid = os.getpid()
+        self.member = member
+        self.filling = False
+        self.refiller = None  # the parent's threads do not exist here
+        self.pace = Pace()
+        self.book.clear()
+
+    def fresh_locks(self) -> None:
+        """In a forked child: locks another thread of the parent held at the fork would stay held
+        forever here, where that thread does not exist."""
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)

@@ -1,0 +1,78 @@
+"""Which handed-out items a model checkpoint covers: the book a framework shim keeps when items
+become done only when a checkpoint that covers them is saved (``consumed="checkpoint"`` in
+``wq_sql.tf``; the PyTorch shim keeps the same). Framework-free; the shim brackets each save
+with :meth:`Ledger.mark` and passes what :meth:`Ledger.covered` returns to
+``WorkQueue.cover``."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from wq_sql.holdings import WorkItem
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The hand-out counters at one instant: calls started, items handed out."""
+
+    calls: int
+    items: int
+
+
+class Ledger:
+    """The items this process handed out that no checkpoint covers yet, in hand-out order, with
+    the hand-out call that produced them (``consumed='checkpoint'``). TensorFlow's threads hand
+    out while the training thread saves: a save is bracketed by two :meth:`mark` calls, never
+    by a lock (a hand-out waiting for a save that waits for it would deadlock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._items = 0
+        self._held: list[tuple[int, int, WorkItem]] = []  # (call, index, item)
+        # During CheckpointManager.save: marks taken right before and after each iterator's
+        # serialization (see _bracket_iterators), else None.
+        self.serialized: Optional[list[Mark]] = None
+        self.ended = False  # the queue ran out for this worker
+
+    def start(self) -> int:
+        with self._lock:
+            self._calls += 1
+            return self._calls - 1
+
+    def finish(self, call: int, items: list[WorkItem]) -> None:
+        with self._lock:
+            for item in items:
+                self._held.append((call, self._items, item))
+                self._items += 1
+
+    def mark(self) -> Mark:
+        with self._lock:
+            return Mark(self._calls, self._items)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def covered(self, before: Mark, after: Mark, read_ahead: int) -> tuple[list[WorkItem], int]:
+        """(items the save covers, hand-outs that overlapped it).
+
+        ``read_ahead=0``, the iterator is in the checkpoint: saving an iterator waits for the
+        ``GetNext`` calls in flight (prefetch, parallel map and interleave threads), so every
+        call that started before the save began is in the saved state, once it finished. A
+        call that started during the save may or may not be: it stays uncovered, so restoring
+        this checkpoint delivers it again (at least once for those items). ``read_ahead=W``:
+        an item counts once ``W`` more items were handed out before the save began."""
+        with self._lock:
+            if read_ahead == 0:
+                covered = [i for c, _, i in self._held if c < before.calls]
+                ambiguous = sum(1 for c, _, _ in self._held if before.calls <= c < after.calls)
+                return covered, ambiguous
+            return [i for _, n, i in self._held if n + read_ahead < before.items], 0
+
+    def forget(self, items: list[WorkItem]) -> None:
+        gone = {id(i) for i in items}
+        with self._lock:
+            self._held = [h for h in self._held if id(h[2]) not in gone]
