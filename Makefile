@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf lint bench bench-all bench-cluster stress clean
+.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -83,6 +83,15 @@ bench-all: $(VENV)/.pkg  ## the long benchmark set of BENCHMARKS.md (about 2 hou
 	$(BIN)/python bench/scale.py memory --backend sqlite && $(BIN)/python bench/scale.py memory --backend postgresql && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 16 && \
 	$(BIN)/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
+
+bench-torch: $(VENV)/.torch  ## the PyTorch DataLoader benchmarks of BENCHMARKS.md (about 5 minutes; needs PostgreSQL)
+	WQ_SQL_BENCH_PG="$${WQ_SQL_BENCH_PG:-$$(bash scripts/ensure-postgres.sh)}" && export WQ_SQL_BENCH_PG && \
+	for b in sqlite postgresql; do \
+	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 9 --lease-ahead 64 256 && \
+	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 5 --lines 1000 --lease-ahead 64 256 && \
+	  $(BIN)/python bench/torch_loader.py throughput --backend $$b --runs 5 --persistent --epochs 5 --lease-ahead 256 && \
+	  $(BIN)/python bench/torch_loader.py long-tail --backend $$b --runs 3 || exit 1; \
+	done
 
 bench-cluster: $(VENV)/.pkg  ## 100, 500 and 2,000 workers through PgBouncer, and the long tail of 200 (about 15 min; needs initdb, pgbouncer)
 	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh)" && export WQ_SQL_PGBOUNCER && \

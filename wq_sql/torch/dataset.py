@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -135,6 +136,20 @@ class QueuePasses:
                 f"consumed={self.consumed!r}")
 
 
+_frozen: set[int] = set()
+
+
+def _freeze_inherited_heap() -> None:
+    """Once per DataLoader worker process: move the objects it has now (what it inherited from the
+    main process, torch and all) to the garbage collector's permanent generation (``gc.freeze``),
+    so that its full collections do not walk them. Opening a queue allocates enough long-lived
+    objects to trigger one, and walking a forked heap touches (and copies) every page of it:
+    210-230 ms per worker, each pass (measured, ``bench/torch_loader.py``)."""
+    if os.getpid() not in _frozen:
+        _frozen.add(os.getpid())
+        gc.freeze()
+
+
 class QueueDataset(QueuePasses, IterableDataset):
     """An ``IterableDataset`` over a wq_sql queue: every DataLoader worker process claims items from
     the shared queue (dynamic sharding across ranks and workers), and yields each item, or its
@@ -195,6 +210,8 @@ class QueueDataset(QueuePasses, IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        if info is not None:
+            _freeze_inherited_heap()
         loader = self.start_pass(f"loader{info.id if info is not None else 0}")
         # Abandoned (break, a new iter(loader)): the loader keeps the item being read and the
         # records not yet in a batch for its next pass.
