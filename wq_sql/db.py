@@ -3,10 +3,12 @@ outage window, and fork safety. Every service below the facade receives a :class
 
 Retries: SQLite locked past its busy handler is retried every few ms up to ``busy_timeout``
 (then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a restart, a failover,
-``pg_terminate_backend``), a deadlock or a serialization failure is retried with backoff up to
-``busy_timeout`` too. Each retry reruns the whole transaction. A database this handle never
-reached is not waited for: a refused port or an unknown host is a wrong URL or a server not
-started, and raises :class:`DatabaseUnavailable` at once.
+``pg_terminate_backend``), a server that turned read-only (a demoted primary: the pool is
+dropped, so the retry connects afresh), a deadlock or a serialization failure is retried with
+backoff up to ``busy_timeout`` too. Each retry reruns the whole transaction. A database this
+handle never reached is not waited for: a refused port or an unknown host is a wrong URL or a
+server not started, and raises :class:`DatabaseUnavailable` at once (but a connection that was
+made and then lost is waited for: a restart or failover under a worker that is just starting).
 """
 
 from __future__ import annotations
@@ -43,16 +45,20 @@ class Db:
     """Transactions on one engine for one queue object (``label`` names it in log lines).
 
     ``quiet_seconds``: after an outage, :attr:`may_expire` stays false this long, so that no
-    worker returns another's items before that one could renew its leases."""
+    worker returns another's items before that one could renew its leases. ``stall_seconds``:
+    a transaction that took longer than this counts as an outage too (a commit that waited for
+    a lost synchronous standby, a server frozen meanwhile): every worker's commits waited as
+    long, so their heartbeats arrive late, not missing."""
 
     def __init__(self, engine: Engine, url: URL, *, busy_timeout: float, label: str,
-                 quiet_seconds: float = 0.0) -> None:
+                 quiet_seconds: float = 0.0, stall_seconds: float = float("inf")) -> None:
         self.engine = engine
         self.url = url
         self.dialect = dialect_of(engine)
         self.busy_timeout = busy_timeout
         self.label = label
         self.quiet_seconds = quiet_seconds
+        self.stall_seconds = stall_seconds
         self.reached = False          # a transaction succeeded: outages are waited for
         self._quiet_until = 0.0
         self._gate = _TxGate()
@@ -92,8 +98,12 @@ class Db:
         outage = False
         while True:
             try:
+                began = time.monotonic()
                 result = fn()
                 self.reached = True
+                if time.monotonic() - began > self.stall_seconds:
+                    self._quiet_until = max(self._quiet_until,
+                                            time.monotonic() + RECONNECT_SECONDS + self.quiet_seconds)
                 if outage:
                     log.warning("queue %r: the database is back after %.1fs; continuing", self.label,
                                 time.monotonic() - start)
@@ -122,6 +132,10 @@ class Db:
                     log.warning("queue %r: database connection lost (%s); retrying for up to %.0fs "
                                 "(busy_timeout)", self.label, why, self.busy_timeout)
                     outage = True
+                if why == "read-only":
+                    # The pooled connections lead to a server that is no longer the primary;
+                    # new ones find the primary (multi-host URL, pooler, DNS) once there is one.
+                    self.engine.dispose()
                 log.debug("retrying transaction: %s", why)
                 if why == "locked":  # every few ms, not backing off: see LOCK_SLICE
                     time.sleep(LOCK_RETRY * (0.5 + random.random()))

@@ -163,7 +163,8 @@ class WorkQueue:
                                     autocheckpoint=False, lock_slice=LOCK_SLICE)
         # After an outage, expire nothing until the others could renew (a few heartbeats).
         self._db = db = Db(own, url_, busy_timeout=self.busy_timeout, label=self.name,
-                           quiet_seconds=ops.STALE_BEATS * self.heartbeat_seconds)
+                           quiet_seconds=ops.STALE_BEATS * self.heartbeat_seconds,
+                           stall_seconds=self.heartbeat_seconds)
         try:
             db.retrying(lambda: ensure_schema(own, schema))
             row = open_queue(db, self.name, spec, max_attempts)
