@@ -184,6 +184,9 @@ class Dispenser:
         keys = [a.key for a in acks]
         accepted, got, works = self.db.driver_tx(
             lambda conn: self.round.run(conn, self.qid, self.member.worker_id, keys, limit))
+        if len(accepted) < len(keys):  # rare: an outage may have lost a committed round's reply
+            missing = [k for k in keys if k[0] not in accepted]
+            accepted = accepted | self.db.tx(lambda c: ops.done_already(c, missing), read=True)
         with self.lock:  # one critical section: a waiting take() sees the buffer filled
             self.book.settle(acks, accepted, self.rules.name)
             self.book.add(got, works)
