@@ -471,6 +471,9 @@ class WorkQueue:
             return accepted
 
         accepted = self._db.driver_tx(done) if work else set()
+        missing = [k for _, keys in work for k in keys if k[0] not in accepted]
+        if missing:  # rare: an outage may have lost a committed round's reply
+            accepted |= self._db.tx(lambda c: ops.done_already(c, missing), read=True)
         with d.lock:
             return d.book.settle([i for items in handed.values() for i in items], accepted, self.name)
 
