@@ -61,6 +61,8 @@ class Db:
         self.stall_seconds = stall_seconds
         self.reached = False          # a transaction succeeded: outages are waited for
         self._quiet_until = 0.0
+        self._in_outage: set[int] = set()  # threads retrying a lost connection right now
+        self._busy: dict[int, float] = {}  # thread -> when its transaction (retries included) began
         self._gate = _TxGate()
         self._pid = os.getpid()
         self.closed = False
@@ -68,8 +70,14 @@ class Db:
 
     @property
     def may_expire(self) -> bool:
-        """Whether other workers had time to renew their leases since the last outage."""
-        return time.monotonic() >= self._quiet_until
+        """Whether other workers had time to renew their leases since the last outage: none of
+        this handle's threads is in one, or in a transaction running longer than
+        ``stall_seconds`` (its heartbeat thread may get through while its main thread still
+        waits, and must not expire the items of workers still cut off), and the quiet window
+        after the last one is over."""
+        now = time.monotonic()
+        oldest = min(self._busy.values(), default=now)
+        return not self._in_outage and now - oldest <= self.stall_seconds and now >= self._quiet_until
 
     def tx(self, fn: Callable[[Connection], T], *, read: bool = False) -> T:
         """Run ``fn`` in one transaction, retried (see the module docstring). ``read``: a
@@ -82,6 +90,20 @@ class Db:
                     return fn(conn)
         return self.retrying(once)
 
+    def expire_tx(self, fn: Callable[[Connection], T], *, default: T, read: bool = False) -> T:
+        """:meth:`tx` for what decides to return other workers' items: each attempt runs only
+        while :attr:`may_expire`, else ``default``. So an attempt retried after an outage (or
+        begun while another thread of this handle waits for one) gives up instead of acting on
+        heartbeats the others could not renew yet; a later heartbeat tries again."""
+        def guarded(conn: Connection) -> T:
+            if not self.may_expire:
+                raise _Skipped
+            return fn(conn)
+        try:
+            return self.tx(guarded, read=read)
+        except _Skipped:
+            return default
+
     def driver_tx(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn`` on the driver's own connection in one write transaction (the claim round's
         hot path: ``engine.driver_transaction``), retried like :meth:`tx`."""
@@ -92,6 +114,21 @@ class Db:
 
     def retrying(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying what is transient (see the module docstring)."""
+        me = threading.get_ident()
+        outer = me not in self._busy
+        if outer:
+            self._busy[me] = time.monotonic()
+        try:
+            return self._retry_loop(fn)
+        finally:
+            if outer:
+                self._busy.pop(me, None)
+                if me in self._in_outage:  # however it ended: the others need time to renew
+                    self._in_outage.discard(me)
+                    self._quiet_until = max(self._quiet_until,
+                                            time.monotonic() + RECONNECT_SECONDS + self.quiet_seconds)
+
+    def _retry_loop(self, fn: Callable[[], T]) -> T:
         start = time.monotonic()
         deadline = start + self.busy_timeout
         delay = 0.01
@@ -132,6 +169,7 @@ class Db:
                     log.warning("queue %r: database connection lost (%s); retrying for up to %.0fs "
                                 "(busy_timeout)", self.label, why, self.busy_timeout)
                     outage = True
+                    self._in_outage.add(threading.get_ident())
                 if why == "read-only":
                     # The pooled connections lead to a server that is no longer the primary;
                     # new ones find the primary (multi-host URL, pooler, DNS) once there is one.
@@ -172,6 +210,7 @@ class Db:
             return False
         self.engine.dispose(close=self.dialect.close_inherited)
         self._pid = os.getpid()
+        self._in_outage, self._busy = set(), {}  # the parent's threads are not here
         return True
 
     def close(self, *, own: bool = True) -> None:
@@ -180,6 +219,10 @@ class Db:
         self.closed = True
         _open_dbs.discard(self)
         self.engine.dispose(close=own and os.getpid() == self._pid)
+
+
+class _Skipped(Exception):
+    """An :meth:`Db.expire_tx` attempt that must not run now."""
 
 
 class _TxGate:

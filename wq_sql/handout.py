@@ -226,7 +226,8 @@ class Dispenser:
             return self._fill(limit)
         if done + failed >= self.extent.total:
             raise QueueExhausted(rules.name, done, failed)
-        if db.may_expire and db.tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts)):
+        if db.may_expire and db.expire_tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts),
+                                          default=0):
             return self._fill(limit)
 
     def prefetch(self, min_claim: int = 1) -> int:
