@@ -356,12 +356,13 @@ def ha_url(ha: Any) -> str:
         time.sleep(0.05)
     url: str = ha.url(name)
     wq_sql.upgrade(url)
+    query_commit(url, "CREATE TABLE failover_probe (at timestamptz)")
     return url
 
 
-def _until_written(url: str, timeout: float = 90.0) -> dt.datetime:
-    """The database clock once a write transaction through ``url`` commits again (one that
-    takes a transaction id, so its commit waits for the synchronous standby)."""
+def _until_written(url: str, timeout: float) -> dt.datetime:
+    """The database clock once a write transaction through ``url`` commits again (a row
+    inserted into ``failover_probe``: its commit waits for the synchronous standby)."""
     import sqlalchemy as sa
 
     from wq_sql.engine import resolve_url
@@ -372,7 +373,8 @@ def _until_written(url: str, timeout: float = 90.0) -> dt.datetime:
         while True:
             try:
                 with engine.begin() as c:
-                    return c.exec_driver_sql("SELECT clock_timestamp(), pg_current_xact_id()").one()[0]  # type: ignore[no-any-return]
+                    return c.exec_driver_sql(  # type: ignore[no-any-return]
+                        "INSERT INTO failover_probe VALUES (clock_timestamp()) RETURNING at").one()[0]
             except sa.exc.DBAPIError:
                 if time.monotonic() > deadline:
                     raise
@@ -381,7 +383,7 @@ def _until_written(url: str, timeout: float = 90.0) -> dt.datetime:
         engine.dispose()
 
 
-def _resumed(d: AckDrain, before: dict[str, int], timeout: float = 90.0) -> float:
+def _resumed(d: AckDrain, before: dict[str, int], timeout: float) -> float:
     """Wait until every worker still running received an item more than ``before``; returns
     that moment (``time.monotonic()``)."""
     t0 = time.monotonic()
@@ -419,51 +421,68 @@ class Progress:
         return self.longest
 
 
-def _drill(ha: Any, tmp_path: Path, fault: str) -> dict[str, Any]:
-    """One drill (see the module docstring); returns what it measured."""
+def drill(ha: Any, tmp_path: Path, faults: list[tuple[str, float]], *, n_works: int = N_WORKS,
+          epochs: int = EPOCHS, item_ms: float = ITEM_MS, n_procs: int = N_PROCS,
+          timeout: float = 120.0) -> dict[str, Any]:
+    """One drain by ``n_procs`` workers with ``faults`` injected, each ``(kind, fraction)``: at
+    that fraction of the items received (and once the pair is healthy again after the previous
+    fault), ``kill`` SIGKILLs the primary's postmaster, ``switchover`` runs ``patronictl
+    switchover``, ``standby`` SIGKILLs the synchronous standby's node (started again right after:
+    it rejoins during the drain). Then the checks of the module docstring. Returns what it
+    measured, per fault: seconds from the fault until a write commits through the URL, until
+    every worker received an item again, and the longest time nobody received one."""
     url = ha_url(ha)
-    leader = ha.wait_healthy(90)
-    standby = next(n for n in ha.names if n != leader)
-    d = AckDrain(url, tmp_path)
-    out: dict[str, Any] = {"fault": fault}
+    d = AckDrain(url, tmp_path, n_works=n_works, epochs=epochs, item_ms=item_ms, n_procs=n_procs)
+    done: list[dict[str, Any]] = []
+    disruptions: list[Disruption] = []
     try:
-        d.wait_for(0.3)
-        before = d.progress()
-        start = _now(url)
-        t0 = time.monotonic()
-        sampler = Progress(d)
-        if fault == "kill":
-            ha.kill_postmaster(leader)
-        elif fault == "switchover":
-            ha.switchover(standby)  # returns once patronictl saw the new leader
-        elif fault == "standby":
-            ha.kill_node(standby)
-        end = _until_written(url)
-        out["fault_to_write_s"] = round(time.monotonic() - t0, 2)
-        assert d.received() < d.total, "the drain ended before the fault took effect"
-        out["all_workers_resumed_s"] = round(_resumed(d, before) - t0, 2)
-        out["longest_stall_s"] = round(sampler.stop(), 2)
-        d.finish(timeout=120)
-        out["leader"] = f"{leader} -> {ha.leader()}"
+        for fault, at in faults:
+            leader = ha.wait_healthy(timeout)
+            standby = next(n for n in ha.names if n != leader)
+            d.wait_for(at, timeout=timeout + n_works * epochs * item_ms / 1e3)
+            before = d.progress()
+            start = _now(url)
+            sampler = Progress(d)
+            t0 = time.monotonic()
+            if fault == "kill":
+                ha.kill_postmaster(leader)
+            elif fault == "switchover":
+                ha.switchover(standby)  # returns once patronictl saw the new leader
+            elif fault == "standby":
+                ha.kill_node(standby)
+            else:
+                raise ValueError(f"unknown fault {fault!r}")
+            end = _until_written(url, timeout)
+            out: dict[str, Any] = {"fault": fault, "at": at,
+                                   "fault_to_write_s": round(time.monotonic() - t0, 2)}
+            assert d.received() < d.total, f"the drain ended before the {fault} took effect"
+            out["all_workers_resumed_s"] = round(_resumed(d, before, timeout) - t0, 2)
+            out["longest_stall_s"] = round(sampler.stop(), 2)
+            now_leader = ha.leader()
+            out["leader"] = f"{leader} -> {now_leader}"
+            if fault == "standby":
+                assert now_leader == leader, "losing the standby moved the primary"
+                ha.start_node(standby)
+            else:
+                assert now_leader == standby, f"{standby} was not promoted: {now_leader}"
+            disruptions.append(Disruption(fault, start, end))
+            done.append(out)
+        d.finish(timeout=timeout + n_works * epochs * item_ms / 1e3)
     finally:
         d.cleanup()
-    out.update(_check_drain(d, [Disruption(fault, start, end)]))
-    out["explicit_acks"] = check_acks(d)
-    out["warnings"] = dict(warnings_of(d))
-    if fault == "standby":
-        assert ha.leader() == leader, "losing the standby moved the primary"
-        ha.start_node(standby)
-    else:
-        assert ha.leader() == standby, f"{standby} was not promoted"
-    ha.wait_healthy(120)
-    return out
+    summary: dict[str, Any] = {"faults": done, "items": d.total, "procs": n_procs}
+    summary.update(_check_drain(d, disruptions))
+    summary["explicit_acks"] = check_acks(d)
+    summary["warnings"] = dict(warnings_of(d))
+    ha.wait_healthy(timeout)
+    return summary
 
 
 def test_primary_postmaster_killed_mid_drain(ha: Any, tmp_path: Path) -> None:
     """SIGKILL of the primary's postmaster at 30% of the drain: Patroni
     (``primary_start_timeout: 0``) hands the leader key to the synchronous standby, which
     promotes; the workers reconnect through the multi-host URL and finish."""
-    out = _drill(ha, tmp_path, "kill")
+    out = drill(ha, tmp_path, [("kill", 0.3)])
     print("failover drill:", out)
     assert any("database connection lost" in w for w in out["warnings"]), out
 
@@ -471,7 +490,7 @@ def test_primary_postmaster_killed_mid_drain(ha: Any, tmp_path: Path) -> None:
 def test_switchover_mid_drain(ha: Any, tmp_path: Path) -> None:
     """``patronictl switchover`` at 30% of the drain: the primary shuts down (sessions ended),
     the standby promotes, the old primary follows it."""
-    out = _drill(ha, tmp_path, "switchover")
+    out = drill(ha, tmp_path, [("switchover", 0.3)])
     print("switchover drill:", out)
 
 
@@ -479,5 +498,5 @@ def test_standby_lost_mid_drain(ha: Any, tmp_path: Path) -> None:
     """The synchronous standby's Patroni and PostgreSQL SIGKILLed at 30%: commits wait until
     Patroni drops it from ``synchronous_standby_names`` (not strict), then the primary serves
     alone; the standby is started again afterwards and rejoins."""
-    out = _drill(ha, tmp_path, "standby")
+    out = drill(ha, tmp_path, [("standby", 0.3)])
     print("lost standby drill:", out)

@@ -84,7 +84,7 @@ def _say(line: str) -> None:
 def main(argv: list[str]) -> int:
     a = _parse(argv)
     # INFO from wq_sql and alembic lets a test count "created queue" and "Running upgrade".
-    logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=os.environ.get("WQ_SQL_LOG_FORMAT", "%(process)d %(name)s %(levelname)s %(message)s"))
     logging.getLogger("wq_sql").setLevel(logging.INFO)
     logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
     from wq_sql import QueueExhausted, WorkerConflict, WorkQueue
