@@ -13,6 +13,9 @@ with what the table says. It reports on stdout, one flushed line per event:
     EXHAUSTED <done> <failed>  take() raised QueueExhausted
     STOPPED                    --max-items reached
 
+With ``--ack-log`` every item is ``complete()``-d explicitly after its work, and logged there
+once ``complete()`` returned: what the worker was told is acknowledged.
+
 Commands while holding (one per stdin line): ``complete`` (explicit ``complete()`` of the held
 item), ``take`` (go on taking: the next take() acks the held item implicitly), ``exit`` (close
 and exit). EOF on stdin exits without closing, like a crash.
@@ -67,6 +70,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hold", type=int, default=0, help="hold the n-th item received un-acked")
     p.add_argument("--max-items", type=int, default=0, help="close after this many items")
     p.add_argument("--item-ms", type=float, default=0.0, help="work on each item this long")
+    p.add_argument("--ack-log", default=None,
+                   help="complete() each item explicitly (auto_complete=False) and append "
+                        "'epoch seq' to this file once complete() returned")
     return p.parse_args(argv)
 
 
@@ -78,7 +84,8 @@ def _say(line: str) -> None:
 def main(argv: list[str]) -> int:
     a = _parse(argv)
     # INFO from wq_sql and alembic lets a test count "created queue" and "Running upgrade".
-    logging.basicConfig(level=logging.WARNING, format="%(process)d %(name)s %(levelname)s %(message)s")
+    log_format = os.environ.get("WQ_SQL_LOG_FORMAT", "%(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=log_format)
     logging.getLogger("wq_sql").setLevel(logging.INFO)
     logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
     from wq_sql import QueueExhausted, WorkerConflict, WorkQueue
@@ -98,7 +105,7 @@ def main(argv: list[str]) -> int:
         wq = WorkQueue(works, num_epochs=a.num_epochs, shuffle=bool(a.shuffle), seed=a.seed,
                        name=a.name, url=a.url, worker=a.worker, lease_seconds=a.lease,
                        heartbeat_seconds=a.heartbeat, lease_ahead=a.lease_ahead,
-                       poll_seconds=a.poll)
+                       poll_seconds=a.poll, auto_complete=not a.ack_log)
     except WorkerConflict as e:
         _say(f"CONFLICT {time.monotonic() - t0:.3f}")
         print(e, file=sys.stderr)
@@ -106,6 +113,7 @@ def main(argv: list[str]) -> int:
     _say(f"STARTED {time.monotonic() - t0:.3f}")
 
     log = open(a.log, "a", encoding="utf-8")
+    acks = open(a.ack_log, "a", encoding="utf-8") if a.ack_log else None
     n = 0
     while True:
         try:
@@ -118,6 +126,10 @@ def main(argv: list[str]) -> int:
         log.flush()
         if a.item_ms:
             time.sleep(a.item_ms / 1000)
+        if acks is not None:
+            wq.complete(item)
+            acks.write(f"{item.epoch} {item.seq}\n")
+            acks.flush()
         if n == a.hold:
             _say(f"HOLDING {item.epoch} {item.seq} {item.work}")
             while True:
@@ -141,6 +153,8 @@ def main(argv: list[str]) -> int:
             break
     wq.close()
     log.close()
+    if acks is not None:
+        acks.close()
     return 0
 
 

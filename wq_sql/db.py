@@ -3,10 +3,12 @@ outage window, and fork safety. Every service below the facade receives a :class
 
 Retries: SQLite locked past its busy handler is retried every few ms up to ``busy_timeout``
 (then :class:`DatabaseBusy`); on Postgres a lost or refused connection (a restart, a failover,
-``pg_terminate_backend``), a deadlock or a serialization failure is retried with backoff up to
-``busy_timeout`` too. Each retry reruns the whole transaction. A database this handle never
-reached is not waited for: a refused port or an unknown host is a wrong URL or a server not
-started, and raises :class:`DatabaseUnavailable` at once.
+``pg_terminate_backend``), a server that turned read-only (a demoted primary: the pool is
+dropped, so the retry connects afresh), a deadlock or a serialization failure is retried with
+backoff up to ``busy_timeout`` too. Each retry reruns the whole transaction. A database this
+handle never reached is not waited for: a refused port or an unknown host is a wrong URL or a
+server not started, and raises :class:`DatabaseUnavailable` at once (but a connection that was
+made and then lost is waited for: a restart or failover under a worker that is just starting).
 """
 
 from __future__ import annotations
@@ -43,18 +45,24 @@ class Db:
     """Transactions on one engine for one queue object (``label`` names it in log lines).
 
     ``quiet_seconds``: after an outage, :attr:`may_expire` stays false this long, so that no
-    worker returns another's items before that one could renew its leases."""
+    worker returns another's items before that one could renew its leases. ``stall_seconds``:
+    a transaction that took longer than this counts as an outage too (a commit that waited for
+    a lost synchronous standby, a server frozen meanwhile): every worker's commits waited as
+    long, so their heartbeats arrive late, not missing."""
 
     def __init__(self, engine: Engine, url: URL, *, busy_timeout: float, label: str,
-                 quiet_seconds: float = 0.0) -> None:
+                 quiet_seconds: float = 0.0, stall_seconds: float = float("inf")) -> None:
         self.engine = engine
         self.url = url
         self.dialect = dialect_of(engine)
         self.busy_timeout = busy_timeout
         self.label = label
         self.quiet_seconds = quiet_seconds
+        self.stall_seconds = stall_seconds
         self.reached = False          # a transaction succeeded: outages are waited for
         self._quiet_until = 0.0
+        self._in_outage: set[int] = set()  # threads retrying a lost connection right now
+        self._busy: dict[int, float] = {}  # thread -> when its transaction (retries included) began
         self._gate = _TxGate()
         self._pid = os.getpid()
         self.closed = False
@@ -62,8 +70,14 @@ class Db:
 
     @property
     def may_expire(self) -> bool:
-        """Whether other workers had time to renew their leases since the last outage."""
-        return time.monotonic() >= self._quiet_until
+        """Whether other workers had time to renew their leases since the last outage: none of
+        this handle's threads is in one, or in a transaction running longer than
+        ``stall_seconds`` (its heartbeat thread may get through while its main thread still
+        waits, and must not expire the items of workers still cut off), and the quiet window
+        after the last one is over."""
+        now = time.monotonic()
+        oldest = min(self._busy.values(), default=now)
+        return not self._in_outage and now - oldest <= self.stall_seconds and now >= self._quiet_until
 
     def tx(self, fn: Callable[[Connection], T], *, read: bool = False) -> T:
         """Run ``fn`` in one transaction, retried (see the module docstring). ``read``: a
@@ -76,6 +90,20 @@ class Db:
                     return fn(conn)
         return self.retrying(once)
 
+    def expire_tx(self, fn: Callable[[Connection], T], *, default: T, read: bool = False) -> T:
+        """:meth:`tx` for what decides to return other workers' items: each attempt runs only
+        while :attr:`may_expire`, else ``default``. So an attempt retried after an outage (or
+        begun while another thread of this handle waits for one) gives up instead of acting on
+        heartbeats the others could not renew yet; a later heartbeat tries again."""
+        def guarded(conn: Connection) -> T:
+            if not self.may_expire:
+                raise _Skipped
+            return fn(conn)
+        try:
+            return self.tx(guarded, read=read)
+        except _Skipped:
+            return default
+
     def driver_tx(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn`` on the driver's own connection in one write transaction (the claim round's
         hot path: ``engine.driver_transaction``), retried like :meth:`tx`."""
@@ -86,14 +114,33 @@ class Db:
 
     def retrying(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying what is transient (see the module docstring)."""
+        me = threading.get_ident()
+        outer = me not in self._busy
+        if outer:
+            self._busy[me] = time.monotonic()
+        try:
+            return self._retry_loop(fn)
+        finally:
+            if outer:
+                self._busy.pop(me, None)
+                if me in self._in_outage:  # however it ended: the others need time to renew
+                    self._in_outage.discard(me)
+                    self._quiet_until = max(self._quiet_until,
+                                            time.monotonic() + RECONNECT_SECONDS + self.quiet_seconds)
+
+    def _retry_loop(self, fn: Callable[[], T]) -> T:
         start = time.monotonic()
         deadline = start + self.busy_timeout
         delay = 0.01
         outage = False
         while True:
             try:
+                began = time.monotonic()
                 result = fn()
                 self.reached = True
+                if time.monotonic() - began > self.stall_seconds:
+                    self._quiet_until = max(self._quiet_until,
+                                            time.monotonic() + RECONNECT_SECONDS + self.quiet_seconds)
                 if outage:
                     log.warning("queue %r: the database is back after %.1fs; continuing", self.label,
                                 time.monotonic() - start)
@@ -122,6 +169,11 @@ class Db:
                     log.warning("queue %r: database connection lost (%s); retrying for up to %.0fs "
                                 "(busy_timeout)", self.label, why, self.busy_timeout)
                     outage = True
+                    self._in_outage.add(threading.get_ident())
+                if why == "read-only":
+                    # The pooled connections lead to a server that is no longer the primary;
+                    # new ones find the primary (multi-host URL, pooler, DNS) once there is one.
+                    self.engine.dispose()
                 log.debug("retrying transaction: %s", why)
                 if why == "locked":  # every few ms, not backing off: see LOCK_SLICE
                     time.sleep(LOCK_RETRY * (0.5 + random.random()))
@@ -158,6 +210,7 @@ class Db:
             return False
         self.engine.dispose(close=self.dialect.close_inherited)
         self._pid = os.getpid()
+        self._in_outage, self._busy = set(), {}  # the parent's threads are not here
         return True
 
     def close(self, *, own: bool = True) -> None:
@@ -166,6 +219,10 @@ class Db:
         self.closed = True
         _open_dbs.discard(self)
         self.engine.dispose(close=own and os.getpid() == self._pid)
+
+
+class _Skipped(Exception):
+    """An :meth:`Db.expire_tx` attempt that must not run now."""
 
 
 class _TxGate:

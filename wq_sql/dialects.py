@@ -32,10 +32,16 @@ EPOCH_CHUNK_PG = 10_000
 SQLITE_NOW = "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
 SQLITE_LATER = "(strftime('%Y-%m-%d %H:%M:%f', 'now', ?) || '000')"
 
-# Why a Postgres error is worth retrying: the connection is gone, or could not be made.
-LOST = ("disconnected", "cannot connect")
+# Why a Postgres error is worth retrying: the connection is gone, or could not be made, or the
+# server it reached no longer takes writes (a primary turned standby or read-only: failover).
+LOST = ("disconnected", "cannot connect", "read-only")
 # A server that answers, but cannot take this connection yet: worth waiting for on a first connect.
-_SERVER_BUSY = ("the database system is starting up", "too many clients", "remaining connection slots")
+# The last two are libpq's when target_session_attrs=read-write (or primary) found no primary
+# among the hosts of a multi-host URL: a failover in progress.
+_SERVER_BUSY = ("the database system is starting up", "too many clients", "remaining connection slots",
+                "session is read-only", "server is in hot standby mode")
+# SQLSTATE read_only_sql_transaction: a write on a standby, or on a server made read-only.
+_READ_ONLY = "25006"
 # Postgres' key for "the wq_sql migration lock" among a database's advisory locks (any constant).
 _PG_MIGRATION_LOCK = 0x77715F73716C
 
@@ -160,9 +166,11 @@ class Dialect:
 
     def transient(self, e: DBAPIError, reached: bool) -> Optional[str]:
         """Why ``e`` is worth retrying, or None: SQLite's lock (``"locked"``), a lost or refused
-        Postgres connection (one of :data:`LOST`), a deadlock or serialization failure. Before
-        ``reached`` (no transaction of this client succeeded yet), a lost or refused connection
-        is not worth retrying, unless the server said it is busy."""
+        Postgres connection or a server that no longer takes writes (one of :data:`LOST`), a
+        deadlock or serialization failure. Before ``reached`` (no transaction of this client
+        succeeded yet), a connection that could not be made is not worth retrying, unless the
+        server said it is busy (or, through a multi-host URL, that no host is a primary yet);
+        one that was made and then lost is."""
         if self.is_sqlite:
             msg = str(e.orig)
             return "locked" if ("locked" in msg or "busy" in msg) else None
@@ -177,8 +185,14 @@ class Dialect:
             lost = "cannot connect"  # refused, reset, server starting up: psycopg2 gives no code
         elif code and (code.startswith("08") or code in ("57P01", "57P02", "57P03")):
             lost = "disconnected"
+        elif code == _READ_ONLY:
+            lost = "read-only"  # the caller reconnects: see Db.retrying
         if lost is not None:
-            return lost if reached or any(m in str(e.orig) for m in _SERVER_BUSY) else None
+            # A connection made and then lost (a restart, a failover, a terminated session) is
+            # worth waiting for even on a first transaction; one that could not be made is a
+            # wrong URL or a server not started, unless the server said it is busy.
+            made = lost == "disconnected"
+            return lost if reached or made or any(m in str(e.orig) for m in _SERVER_BUSY) else None
         if code in ("40P01", "40001"):
             return "deadlock or serialization failure"
         return None

@@ -45,6 +45,8 @@ URL_GIVEN = "url= (or $WQ_SQL_URL)"  # where the API's fixes say the URL comes f
 def resolve_url(url: Optional[str | URL]) -> URL:
     """``url``, else ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db`` in the current directory."""
     raw = url if url is not None else os.environ.get("WQ_SQL_URL") or f"sqlite:///{DEFAULT_SQLITE_FILE}"
+    if isinstance(raw, str):
+        raw = multihost_as_query(raw)
     try:
         parsed = make_url(raw)
     except Exception as e:  # sqlalchemy raises ArgumentError; never echo a password back
@@ -61,6 +63,36 @@ def resolve_url(url: Optional[str | URL]) -> URL:
             f"probably missing. Use sqlite:///{path} (relative to the working directory) or "
             f"sqlite:////abs/path/{Path(path).name} (an absolute path: four slashes)")
     return parsed
+
+
+def multihost_as_query(raw: str) -> str:
+    """A libpq multi-host URL (``postgresql://u@h1:p1,h2:p2/db?target_session_attrs=read-write``,
+    the usual way to name a primary and its standbys) in the form SQLAlchemy reads
+    (``postgresql://u@/db?host=h1,h2&port=p1,p2&target_session_attrs=read-write``); SQLAlchemy's
+    own parser takes one host only and fails on the port. Other URLs are returned unchanged."""
+    scheme, sep, body = raw.partition("://")
+    if not sep or not re.match(r"^postgres(ql)?(\+\w+)?$", scheme):
+        return raw
+    head, q, query = body.partition("?")
+    userinfo, at, hostpath = head.rpartition("@")
+    hosts, slash, path = hostpath.partition("/")
+    if "," not in hosts:
+        return raw
+    names, ports = [], []
+    for token in hosts.split(","):
+        m = re.match(r"^(\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?$", token)
+        if m is None or not m.group(1):
+            raise InvalidInput(f"cannot read host {token!r} of a multi-host URL: expected "
+                               "postgresql://user@host1:port1,host2:port2/db")
+        names.append(m.group(1).strip("[]"))
+        ports.append(m.group(2) or "")
+    params = [p.split("=", 1)[0] for p in query.split("&") if p]
+    if "host" in params or "port" in params:
+        raise InvalidInput("a multi-host URL names its hosts before the /; drop host= and port= "
+                           "from its query")
+    query = "&".join(filter(None, ["host=" + ",".join(names),
+                                   "port=" + ",".join(ports) if any(ports) else "", query]))
+    return f"{scheme}://{userinfo}{at}/{path}?{query}"
 
 
 def safe_url(url: URL) -> str:
@@ -87,6 +119,10 @@ def open_error(url: URL, e: DBAPIError, *, given: str = URL_GIVEN) -> Optional[D
     SQLite: a file it cannot open, that is not a database, or that is read-only); otherwise
     None. ``given`` says where the URL came from, for the fix. The caller chains ``e``."""
     detail = mask_secrets(first_line(e.orig))
+    attempts = [ln.strip() for ln in str(e.orig).splitlines()
+                if ln.strip().startswith("connection to server")]
+    if len(attempts) > 1:  # a multi-host URL: libpq says why each host failed, a line each
+        detail = mask_secrets("; ".join(attempts))
     low = detail.lower()
     if url.get_backend_name() == "sqlite":
         path = Path(url.database or "").expanduser().resolve()
@@ -109,6 +145,11 @@ def open_error(url: URL, e: DBAPIError, *, given: str = URL_GIVEN) -> Optional[D
         else:
             return None
         return DatabaseUnavailable(msg)
+    if getattr(e.orig, "pgcode", None) == "25006":  # read_only_sql_transaction
+        return DatabaseUnavailable(
+            f"the server at {safe_url(url)} is read-only ({detail}): a standby, or a primary being "
+            f"demoted; point {given} at the primary, or list every node in a multi-host URL with "
+            "?target_session_attrs=read-write")
     # psycopg2 gives a failure to connect (or a connection lost mid-statement) no SQLSTATE.
     connecting = isinstance(e, OperationalError) and getattr(e.orig, "pgcode", None) is None
     if not connecting and "invalid dsn" not in low:
@@ -126,6 +167,9 @@ def open_error(url: URL, e: DBAPIError, *, given: str = URL_GIVEN) -> Optional[D
                f"and database in {given}, or ask the server's administrator")
     elif "invalid dsn" in low:
         fix = f"fix the options after ? in {given}"
+    elif "session is read-only" in low or "hot standby mode" in low:
+        fix = ("no host in the URL is a primary: a failover still in progress (raise busy_timeout= to "
+               "wait longer), or the URL lists only standbys")
     elif "refused" in low:
         fix = f"start the server, or check the host and port in {given}"
     else:

@@ -186,6 +186,9 @@ class Dispenser:
         keys = [a.key for a in acks]
         accepted, got, works = self.db.driver_tx(
             lambda conn: self.round.run(conn, self.qid, self.member.worker_id, keys, limit))
+        if len(accepted) < len(keys):  # rare: an outage may have lost a committed round's reply
+            missing = [k for k in keys if k[0] not in accepted]
+            accepted = accepted | self.db.tx(lambda c: ops.done_already(c, missing), read=True)
         with self.lock:  # one critical section: a waiting take() sees the buffer filled
             self.book.settle(acks, accepted, self.rules.name)
             self.book.add(got, works)
@@ -225,7 +228,8 @@ class Dispenser:
             return self._fill(limit)
         if done + failed >= self.extent.total:
             raise QueueExhausted(rules.name, done, failed)
-        if db.may_expire and db.tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts)):
+        if db.may_expire and db.expire_tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts),
+                                          default=0):
             return self._fill(limit)
 
     def prefetch(self, min_claim: int = 1) -> int:

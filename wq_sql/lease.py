@@ -103,19 +103,22 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> 
     """Return to the queue the items of workers that are gone (dead on this host, or not
     heartbeating: :mod:`wq_sql.liveness`) and of expired leases. Returns how many."""
     d, host = db.dialect, hostname()
-    holders = db.tx(lambda c: ops.holders_to_check(c, d, qid, me.worker_id, host), read=True)
+    # expire_tx: decided and done only while no outage could have kept the others from renewing.
+    none: list[ops.Holder] = []
+    holders = db.expire_tx(lambda c: ops.holders_to_check(c, d, qid, me.worker_id, host), default=none,
+                           read=True)
     total = 0
     for h in holders:
         gone = why_gone(h, host)
         if gone is None:
             continue
         why, dead = gone
-        n = db.tx(functools.partial(ops.give_back_held, b=d, qid=qid, h=h, max_attempts=max_attempts,
-                                    why=why, dead=dead))
+        n = db.expire_tx(functools.partial(ops.give_back_held, b=d, qid=qid, h=h, max_attempts=max_attempts,
+                                           why=why, dead=dead), default=0)
         if n:
             log.warning("queue %r: %s; the %d item(s) it held went back to the queue", queue, why, n)
         total += n
-    n = db.tx(lambda c: ops.expire(c, d, qid, max_attempts))
+    n = db.expire_tx(lambda c: ops.expire(c, d, qid, max_attempts), default=0)
     if n:
         log.info("queue %r: %d item(s) whose lease expired went back to the queue", queue, n)
     return total + n

@@ -256,7 +256,8 @@ def complete(conn: Connection, b: Dialect, qid: int, worker_id: int,
              pairs: Sequence[tuple[int, int]]) -> set[int]:
     """Mark claimed items done, fenced by ``(id, token)``; returns the ids accepted.
 
-    An id missing from the result lost its lease: someone else holds it now, or finished it."""
+    An id missing from the result lost its lease: someone else holds it now, or finished it.
+    One already done with its token counts as accepted (see :func:`done_already`)."""
     if not pairs:
         return set()
     rows = conn.execute(
@@ -265,6 +266,22 @@ def complete(conn: Connection, b: Dialect, qid: int, worker_id: int,
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
     _log(conn, b, qid, EV_DONE, rows, worker_id)
     _tally(conn, b, qid, rows, "n_done", worker_id)
+    accepted = {r.id for r in rows}
+    if len(accepted) < len(pairs):
+        accepted |= done_already(conn, [p for p in pairs if p[0] not in accepted])
+    return accepted
+
+
+def done_already(conn: Connection, pairs: Sequence[tuple[int, int]]) -> set[int]:
+    """The ids among ``(id, token)`` pairs whose row is done with that very token: an
+    acknowledgement retried after its first commit went through but its reply was lost (a
+    failover, a connection cut during COMMIT). Each delivery gets its own token, so only the
+    holder that now retries could have finished it: the retry succeeds instead of reporting a
+    lost lease."""
+    if not pairs:
+        return set()
+    rows = conn.execute(select(items.c.id).where(
+        tuple_(items.c.id, items.c.token).in_(list(pairs)), items.c.state.concat("") == DONE)).all()
     return {r.id for r in rows}
 
 

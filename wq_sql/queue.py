@@ -163,7 +163,8 @@ class WorkQueue:
                                     autocheckpoint=False, lock_slice=LOCK_SLICE)
         # After an outage, expire nothing until the others could renew (a few heartbeats).
         self._db = db = Db(own, url_, busy_timeout=self.busy_timeout, label=self.name,
-                           quiet_seconds=ops.STALE_BEATS * self.heartbeat_seconds)
+                           quiet_seconds=ops.STALE_BEATS * self.heartbeat_seconds,
+                           stall_seconds=self.heartbeat_seconds)
         try:
             db.retrying(lambda: ensure_schema(own, schema))
             row = open_queue(db, self.name, spec, max_attempts)
@@ -470,6 +471,9 @@ class WorkQueue:
             return accepted
 
         accepted = self._db.driver_tx(done) if work else set()
+        missing = [k for _, keys in work for k in keys if k[0] not in accepted]
+        if missing:  # rare: an outage may have lost a committed round's reply
+            accepted |= self._db.tx(lambda c: ops.done_already(c, missing), read=True)
         with d.lock:
             return d.book.settle([i for items in handed.values() for i in items], accepted, self.name)
 
