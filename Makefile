@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress clean
+.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress failover clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -57,7 +57,7 @@ test-torch: $(VENV)/.torch  ## the PyTorch shim's tests only
 	$(BIN)/python -m pytest tests/torch
 
 lint: $(VENV)/.torch  ## ruff, mypy (torch installed: wq_sql.torch is checked against it) and the import contracts
-	$(BIN)/ruff check wq_sql tests examples migrations bench
+	$(BIN)/ruff check wq_sql tests examples migrations bench scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -65,6 +65,9 @@ stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU bur
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend sqlite --runs 40 --burners 2 --hang 90 && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
+
+failover: $(VENV)/.test  ## the failover drill on a real Patroni + etcd pair (installs patroni, etcd-server as root): 16 workers, primary killed, switchover, standby lost (about 3 min)
+	$(BIN)/python bench/failover.py
 
 # $WQ_SQL_BENCH_PG, when set, is the Postgres admin URL the benchmarks use; else ensure-postgres finds one.
 bench: $(VENV)/.tf  ## the headline benchmarks (claims, long tail, TF, SQLite roll-over; 5-10 min) and their summary table
