@@ -285,3 +285,40 @@ def check_count(what: str, value: object) -> None:
     """A count stored in a 32-bit INTEGER column."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
         raise InvalidInput(f"{what} must be an int from 1 to 2**31 - 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """One worker's settings of a queue object (``WorkQueue``'s keywords of the same names),
+    checked by :func:`check_options`; ``heartbeat_seconds`` is resolved to its default here."""
+
+    lease_seconds: float
+    lease_ahead: int
+    max_attempts: Optional[int]
+    auto_complete: bool
+    max_item_seconds: Optional[float]
+    heartbeat_seconds: float
+    poll_seconds: float
+    busy_timeout: float
+    schema: Optional[str]
+    claim_ahead: bool
+
+
+def check_options(lease_seconds: float, lease_ahead: int, max_attempts: Optional[int], auto_complete: bool,
+                  max_item_seconds: Optional[float], heartbeat_seconds: Optional[float], poll_seconds: float,
+                  busy_timeout: float, schema: Optional[str], claim_ahead: bool) -> Options:
+    check_seconds("lease_seconds", lease_seconds)
+    check_positive("busy_timeout", busy_timeout)
+    check_positive("poll_seconds", poll_seconds)
+    check_count("lease_ahead", lease_ahead)
+    if max_attempts is not None:
+        check_count("max_attempts", max_attempts)
+    for what, seconds in (("max_item_seconds", max_item_seconds), ("heartbeat_seconds", heartbeat_seconds)):
+        if seconds is not None:
+            check_seconds(what, seconds)
+    beat = float(heartbeat_seconds if heartbeat_seconds is not None else min(lease_seconds / 6.0, 5.0))
+    if beat * 2 > lease_seconds:
+        raise InvalidInput("heartbeat_seconds must be at most half of lease_seconds, or leases "
+                           "of live workers would expire between two heartbeats")
+    return Options(float(lease_seconds), lease_ahead, max_attempts, bool(auto_complete), max_item_seconds,
+                   beat, float(poll_seconds), float(busy_timeout), schema, bool(claim_ahead))

@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
@@ -22,9 +22,10 @@ from sqlalchemy.engine import URL
 from wq_sql import ops
 from wq_sql.claim import ClaimRound
 from wq_sql.db import LOCK_SLICE, Db
+from wq_sql.endings import Endings
 from wq_sql.engine import make_engine, resolve_url, safe_url
 from wq_sql.epochs import EpochMaker, Order
-from wq_sql.errors import InvalidInput, LeaseLost, QueueExhausted
+from wq_sql.errors import InvalidInput, QueueExhausted
 from wq_sql.handout import Dispenser, Extent, Rules
 from wq_sql.holdings import Holdings, WorkItem
 from wq_sql.identity import check_worker_name, default_worker_name
@@ -38,9 +39,8 @@ from wq_sql.plan import (
     check_name,
     check_num_epochs,
     check_num_slices,
-    check_positive,
+    check_options,
     check_prefix,
-    check_seconds,
     check_seed,
     normalize_works,
 )
@@ -51,6 +51,24 @@ __all__ = ["Progress", "WorkItem", "WorkQueue", "handed_out_by"]
 
 log = logging.getLogger("wq_sql")
 _live: weakref.WeakSet[WorkQueue] = weakref.WeakSet()
+T = TypeVar("T")
+
+
+class _Read(Generic[T]):
+    """A read-only attribute of ``WorkQueue`` kept in one of its parts: its checked settings
+    (``_opts``) or its stored queue row (``_row``)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Optional[WorkQueue], owner: Optional[type] = None) -> T:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        value: T = getattr(getattr(obj, self.part), self.name)
+        return value
 
 
 @dataclass(frozen=True)
@@ -136,59 +154,54 @@ class WorkQueue:
         spec = None if works is None else QueueSpec(
             normalize_works(works), check_num_epochs(num_epochs), bool(shuffle), check_seed(seed),
             check_num_slices(num_slices), check_prefix(prefix))
-        check_seconds("lease_seconds", lease_seconds)
-        check_positive("busy_timeout", busy_timeout)
-        check_positive("poll_seconds", poll_seconds)
-        check_count("lease_ahead", lease_ahead)
-        if max_attempts is not None:
-            check_count("max_attempts", max_attempts)
-        for what, seconds in (("max_item_seconds", max_item_seconds),
-                              ("heartbeat_seconds", heartbeat_seconds)):
-            if seconds is not None:
-                check_seconds(what, seconds)
-        self.lease_seconds, self.lease_ahead = float(lease_seconds), lease_ahead
-        self.auto_complete, self.max_item_seconds = auto_complete, max_item_seconds
-        self.heartbeat_seconds = float(heartbeat_seconds if heartbeat_seconds is not None
-                                       else min(self.lease_seconds / 6.0, 5.0))
-        if self.heartbeat_seconds * 2 > self.lease_seconds:
-            raise InvalidInput("heartbeat_seconds must be at most half of lease_seconds, or leases "
-                               "of live workers would expire between two heartbeats")
-        self.poll_seconds, self.busy_timeout = float(poll_seconds), float(busy_timeout)
-        self.schema, self.claim_ahead = schema, bool(claim_ahead)
+        self._opts = o = check_options(lease_seconds, lease_ahead, max_attempts, auto_complete,
+                                       max_item_seconds, heartbeat_seconds, poll_seconds, busy_timeout,
+                                       schema, claim_ahead)
         self._worker_given = worker is not None
         self.worker = check_worker_name(worker if worker is not None else default_worker_name())
         url_ = resolve_url(url) if engine is None else engine.url
         # Connections: claims, heartbeat, and making the next epoch in the background.
-        own = engine or make_engine(url_, schema=schema, busy_timeout=busy_timeout, pool_size=3,
+        own = engine or make_engine(url_, schema=schema, busy_timeout=o.busy_timeout, pool_size=3,
                                     autocheckpoint=False, lock_slice=LOCK_SLICE)
         # After an outage, expire nothing until the others could renew (a few heartbeats).
-        self._db = db = Db(own, url_, busy_timeout=self.busy_timeout, label=self.name,
-                           quiet_seconds=ops.STALE_BEATS * self.heartbeat_seconds,
-                           stall_seconds=self.heartbeat_seconds)
+        self._db = db = Db(own, url_, busy_timeout=o.busy_timeout, label=self.name,
+                           quiet_seconds=ops.STALE_BEATS * o.heartbeat_seconds,
+                           stall_seconds=o.heartbeat_seconds)
         try:
             db.retrying(lambda: ensure_schema(own, schema))
-            row = open_queue(db, self.name, spec, max_attempts)
+            self._row = row = open_queue(db, self.name, spec, max_attempts)
             self._qid: int = row.id
-            self.shuffle: bool = row.shuffle
-            self.seed: int = row.seed
-            self.num_slices: Optional[int] = row.num_slices
-            self.max_attempts: int = row.max_attempts
             self.prefix: Optional[str] = row.prefix if spec is None else spec.prefix
             self._extent = Extent(row.n_works, row.num_epochs)
             epochs = EpochMaker(db, Order(row.id, row.n_works, row.shuffle, row.seed), row.epochs_created,
                                 weak_method(self._num_epochs, 0), weak_method(self.wake, None), self.name)
             member, recovered = register(db, self._qid, self.name, self.worker, self._terms())
-            rules = Rules(self.name, self.worker, lease_ahead, self.poll_seconds, self.max_attempts,
-                          auto_complete, self.claim_ahead)
+            rules = Rules(self.name, self.worker, o.lease_ahead, o.poll_seconds, row.max_attempts,
+                          o.auto_complete, o.claim_ahead)
             self._d = Dispenser(db, self._qid, member, Holdings(self.prefix),
-                                ClaimRound(db.dialect, lease_ahead, self.lease_seconds, schema),
+                                ClaimRound(db.dialect, o.lease_ahead, o.lease_seconds, schema),
                                 epochs, self._extent, rules)
+            self._endings = Endings(db, self._qid, self._d)
             self._start(recovered)
             _live.add(self)
         except BaseException:
             if engine is None:
                 db.close()
             raise
+
+    lease_seconds: _Read[float] = _Read("_opts")
+    lease_ahead: _Read[int] = _Read("_opts")
+    auto_complete: _Read[bool] = _Read("_opts")
+    max_item_seconds: _Read[Optional[float]] = _Read("_opts")
+    heartbeat_seconds: _Read[float] = _Read("_opts")
+    poll_seconds: _Read[float] = _Read("_opts")
+    busy_timeout: _Read[float] = _Read("_opts")
+    schema: _Read[Optional[str]] = _Read("_opts")
+    claim_ahead: _Read[bool] = _Read("_opts")
+    shuffle: _Read[bool] = _Read("_row")
+    seed: _Read[int] = _Read("_row")
+    num_slices: _Read[Optional[int]] = _Read("_row")
+    max_attempts: _Read[int] = _Read("_row")
 
     @classmethod
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
@@ -233,7 +246,8 @@ class WorkQueue:
         return self._extent.num_epochs
 
     def _terms(self) -> Terms:
-        return Terms(self.lease_seconds, self.heartbeat_seconds, self.max_item_seconds, self.max_attempts)
+        o = self._opts
+        return Terms(o.lease_seconds, o.heartbeat_seconds, o.max_item_seconds, self._row.max_attempts)
 
     def _start(self, recovered: list[ops.Claimed]) -> None:
         """After registering: the items a dead predecessor held go first, and the heartbeat runs."""
@@ -360,32 +374,19 @@ class WorkQueue:
 
     def complete(self, item: str) -> None:
         """Mark ``item`` done now; raises :class:`LeaseLost` if its lease was lost meanwhile."""
-        self._act(item, "complete", ops.complete)
+        self._ensure_process()
+        self._endings.complete(item)
 
     def release(self, item: str) -> None:
         """Give ``item`` back to the queue without counting an attempt."""
-        self._act(item, "release", ops.release)
+        self._ensure_process()
+        self._endings.release(item)
 
     def fail(self, item: str, error: object = "failed") -> None:
         """Count a failed attempt on ``item`` (recorded as ``last_error``); after ``max_attempts``
         the item is ``failed``, else it goes back to the queue."""
-        text = str(error)[:10_000]
-        self._act(item, "fail", lambda c, d, q, w, keys: ops.fail(c, d, q, w, keys, text, self.max_attempts))
-
-    def _act(self, item: str, action: str, op: Callable[..., set[int]]) -> None:
         self._ensure_process()
-        db, d = self._db, self._d
-        with d.lock:
-            d.check_usable()
-            held = d.book.find(item)
-            keys, wid = [held.key], d.member.worker_id
-            accepted = db.tx(lambda c: op(c, db.dialect, self._qid, wid, keys))
-            d.book.drop(held)
-            if action != "complete" and held.item_id in accepted:
-                d.wake()  # back in the queue: another thread's take() may claim it
-        if held.item_id not in accepted:
-            raise LeaseLost(f"cannot {action} {held!r} (epoch {held.epoch}, seq {held.seq}): its lease "
-                            "expired and another worker holds or finished it")
+        self._endings.fail(item, str(error)[:10_000])
 
     # ------------------------------------------------------------------ checkpoint-consistent consumption
 
@@ -396,15 +397,7 @@ class WorkQueue:
         ``auto_complete=False``; :mod:`wq_sql.tf` calls it. Returns the items whose lease was lost
         (another worker holds or finished them); they are logged, not raised."""
         self._ensure_process()
-        db, d = self._db, self._d
-        with d.lock:
-            d.check_usable()
-            held = [i for i in items if d.book.out.get(i.item_id) is i]
-            keys, wid = [i.key for i in held], d.member.worker_id
-            accepted = db.tx(lambda c: ops.cover(c, db.dialect, self._qid, wid, keys, int(step), ambiguous))
-            for i in held:
-                d.book.out.pop(i.item_id, None)
-            return d.book.settle(held, accepted, self.name)
+        return self._endings.cover(items, int(step), ambiguous)
 
     def reopen_after(self, step: Optional[int]) -> int:
         """This worker's model was restored from its checkpoint at global ``step`` (``None``: from
@@ -412,16 +405,7 @@ class WorkQueue:
         identity had covered (:meth:`cover`). Items it still held come back through same-identity
         recovery. Returns how many items were re-opened."""
         self._ensure_process()
-        db, d = self._db, self._d
-        at = None if step is None else int(step)
-        with d.lock:
-            d.check_usable()
-            wid = d.member.worker_id
-            n = db.tx(lambda c: ops.reopen_after(c, db.dialect, self._qid, wid, at))
-        if n:
-            log.warning("worker %r restored from checkpoint step %s: %d item(s) covered by later "
-                        "checkpoints went back to queue %r", self.worker, step, n, self.name)
-        return n
+        return self._endings.reopen_after(None if step is None else int(step))
 
     # ------------------------------------------------------------------ items another process consumes
 
@@ -437,19 +421,13 @@ class WorkQueue:
         database, and this object no longer renews, completes, releases or fails them:
         ``close()`` leaves them claimed. If nobody acknowledges them, they come back as a crashed
         worker's items do (to this identity's next process first, else after their lease)."""
-        d = self._d
-        with d.lock:
-            for item in items:
-                if d.book.out.get(item.item_id) is item:
-                    d.book.drop(item)
+        self._endings.hand_off(items)
 
     def still_held(self, items: Sequence[WorkItem]) -> list[WorkItem]:
         """Those of ``items`` that this worker still holds by the database (claimed by it under the
         same token), in one read; the others were completed (or lost) meanwhile."""
         self._ensure_process()
-        wid = self._d.member.worker_id
-        held = {(c.id, c.token) for c in self._db.tx(lambda c: ops.held_by(c, self._qid, wid), read=True)}
-        return [i for i in items if i.key in held]
+        return self._endings.still_held(items)
 
     def complete_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
         """Mark done, in one transaction, items that other workers of this queue claimed and handed
@@ -457,25 +435,7 @@ class WorkQueue:
         ``(id, token)`` like :meth:`complete`; the events and counters name the holder. Returns the
         items whose lease was lost (another worker holds or finished them), logged, not raised."""
         self._ensure_process()
-        d = self._d
-        with d.lock:
-            d.check_usable()
-        work = [(holder, [i.key for i in items]) for holder, items in handed.items() if items]
-
-        def done(conn: Any) -> set[int]:
-            # The claim round's acknowledgement, claiming nothing: the hot path's statement,
-            # several times cheaper per item than ops.complete.
-            accepted: set[int] = set()
-            for holder, keys in work:
-                accepted |= d.round.run(conn, self._qid, holder, keys, 0)[0]
-            return accepted
-
-        accepted = self._db.driver_tx(done) if work else set()
-        missing = [k for _, keys in work for k in keys if k[0] not in accepted]
-        if missing:  # rare: an outage may have lost a committed round's reply
-            accepted |= self._db.tx(lambda c: ops.done_already(c, missing), read=True)
-        with d.lock:
-            return d.book.settle([i for items in handed.values() for i in items], accepted, self.name)
+        return self._endings.complete_handed(handed)
 
     # ------------------------------------------------------------------ progress and lifecycle
 
@@ -502,7 +462,7 @@ class WorkQueue:
         mine = os.getpid() == d.pid
         if mine:
             d.stop_refills()  # outside the lock: its claim in flight needs the lock to finish
-            d.epochs.stop(timeout=self.busy_timeout)
+            d.epochs.stop(timeout=self._opts.busy_timeout)
         with d.lock:
             if not d.close():
                 return
@@ -511,24 +471,9 @@ class WorkQueue:
             if not mine or d.superseded:
                 db.close()
                 return
-            book = d.book
-            done, give_back, failing = list(book.acks.values()), list(book.buffer), []
-            if _failed is not None and isinstance(_failed, Exception):
-                failing = list(book.out.values())
-            elif self.auto_complete and _failed is None:
-                done += list(book.out.values())
-            else:
-                give_back += list(book.out.values())
-            error = f"{type(_failed).__name__}: {_failed}"[:10_000] if failing else ""
-            wid, inc = d.member.worker_id, d.member.incarnation
             try:
-                accepted = db.tx(lambda c: ops.leave(
-                    c, db.dialect, self._qid, wid, inc, done=[i.key for i in done],
-                    give_back=[i.key for i in give_back], failing=[i.key for i in failing], error=error,
-                    max_attempts=self.max_attempts))
-                book.settle(done, accepted, self.name)
+                self._endings.leave(_failed)
             finally:
-                book.clear()
                 self._heartbeat.stop()
                 db.close()
 
