@@ -34,7 +34,7 @@ from wq_sql import (
     WorkQueue,
     migrate,
 )
-from wq_sql import engine as wq_engine
+from wq_sql.dialects import sqlite as sqlite_dialect
 from wq_sql.engine import resolve_url
 from wq_sql.models import VIEWS, Base, create_view_sql
 
@@ -400,16 +400,9 @@ def test_role_without_ddl_rights_on_an_unmigrated_database_gets_a_clear_error(
 
 @pytest.fixture
 def fake_mounts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[str], None]:
-    """Point ``wq_sql.engine._mount_fstype`` at a fake ``/proc/mounts`` (the one mock here)."""
-    real_path = wq_engine.Path
+    """Point ``wq_sql.dialects.sqlite.mount_fstype`` at a fake ``/proc/mounts`` (the one mock here)."""
     mounts = tmp_path / "fake_mounts"
-
-    def path(*parts: Any) -> Path:
-        if parts == ("/proc/mounts",):
-            return real_path(mounts)
-        return real_path(*parts)
-
-    monkeypatch.setattr(wq_engine, "Path", path)
+    monkeypatch.setattr(sqlite_dialect, "MOUNTS", str(mounts))
     monkeypatch.delenv("WQ_SQL_ALLOW_NETWORK_FS", raising=False)
 
     def write(text: str) -> None:
@@ -429,9 +422,9 @@ def test_sqlite_on_a_network_filesystem_is_refused(fake_mounts: Callable[[str], 
     fake_mounts(ROOT_LINE + f"server:/export {shared} {fstype} rw,vers=4.2 0 0\n")
     db = shared / "sub" / "q.db"
     db.parent.mkdir()
-    assert wq_engine._mount_fstype(db.parent) == fstype
+    assert sqlite_dialect.mount_fstype(db.parent) == fstype
     with pytest.raises(UnsafeDatabase) as ei:
-        wq_engine.check_sqlite_path(make_url(f"sqlite:///{db}"))
+        sqlite_dialect.check_path(make_url(f"sqlite:///{db}"))
     assert fstype in str(ei.value) and "PostgreSQL" in str(ei.value)
     with pytest.raises(UnsafeDatabase):
         WorkQueue(WORKS, url=f"sqlite:///{db}", worker="w")
@@ -449,15 +442,15 @@ def test_mount_lookup_takes_the_longest_matching_mount_point(fake_mounts: Callab
                 + f"/dev/sdb1 {base}/nfs/local xfs rw 0 0\n"
                 + f"server:/x {base}/with\\040space lustre rw 0 0\n"
                 + "garbage\n")
-    assert wq_engine._mount_fstype(base / "nfs") == "nfs4"
-    assert wq_engine._mount_fstype(base / "nfs" / "local") == "xfs"
+    assert sqlite_dialect.mount_fstype(base / "nfs") == "nfs4"
+    assert sqlite_dialect.mount_fstype(base / "nfs" / "local") == "xfs"
     # /x/nfs2 is not inside the mount point /x/nfs.
-    assert wq_engine._mount_fstype(base / "nfs2") == "ext4"
-    assert wq_engine._mount_fstype(base / "with space") == "lustre"
-    wq_engine.check_sqlite_path(make_url(f"sqlite:///{base}/nfs/local/q.db"))
-    wq_engine.check_sqlite_path(make_url(f"sqlite:///{base}/nfs2/q.db"))
+    assert sqlite_dialect.mount_fstype(base / "nfs2") == "ext4"
+    assert sqlite_dialect.mount_fstype(base / "with space") == "lustre"
+    sqlite_dialect.check_path(make_url(f"sqlite:///{base}/nfs/local/q.db"))
+    sqlite_dialect.check_path(make_url(f"sqlite:///{base}/nfs2/q.db"))
     with pytest.raises(UnsafeDatabase, match="lustre"):
-        wq_engine.check_sqlite_path(make_url(f"sqlite:///{base}/with space/q.db"))
+        sqlite_dialect.check_path(make_url(f"sqlite:///{base}/with space/q.db"))
     # A local file through a relative URL is resolved before the lookup.
     with WorkQueue(WORKS, shuffle=False, url=f"sqlite:///{base}/nfs/local/q.db", worker="w") as wq:
         assert drain(wq) == WORKS
@@ -468,15 +461,15 @@ def test_network_filesystem_override(fake_mounts: Callable[[str], None], tmp_pat
     fake_mounts(ROOT_LINE + f"server:/export {tmp_path.resolve()} nfs rw 0 0\n")
     url = make_url(f"sqlite:///{tmp_path / 'q.db'}")
     with pytest.raises(UnsafeDatabase):
-        wq_engine.check_sqlite_path(url)
+        sqlite_dialect.check_path(url)
     monkeypatch.setenv("WQ_SQL_ALLOW_NETWORK_FS", "1")
-    wq_engine.check_sqlite_path(url)
+    sqlite_dialect.check_path(url)
 
 
 def test_unreadable_mounts_file_does_not_block(fake_mounts: Callable[[str], None], tmp_path: Path) -> None:
     # No fake file written: reading it fails, the filesystem is unknown, the path is allowed.
-    assert wq_engine._mount_fstype(tmp_path) is None
-    wq_engine.check_sqlite_path(make_url(f"sqlite:///{tmp_path / 'q.db'}"))
+    assert sqlite_dialect.mount_fstype(tmp_path) is None
+    sqlite_dialect.check_path(make_url(f"sqlite:///{tmp_path / 'q.db'}"))
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:q?mode=memory&uri=true"])

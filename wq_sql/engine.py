@@ -1,39 +1,27 @@
-"""Engines: URL resolution, per-backend connection setup, the few dialect differences, and the
-one-line errors of a database that cannot be reached or opened (``open_error``).
-
-SQLite: WAL, ``busy_timeout`` and ``BEGIN IMMEDIATE`` for every write transaction, so a
-transaction takes the single write lock up front instead of failing halfway with
-``database is locked``. Postgres: READ COMMITTED (the server default), statement and
-idle-in-transaction timeouts set in each transaction (``pooling``: nothing relies on session
-state, so PgBouncer in transaction mode works with a plain URL), and an optional schema via
-``schema_translate_map``.
+"""Engines: URL resolution, engine creation, the driver-level transaction of the hot path, and the
+one-line errors of a database that cannot be reached or opened (``open_error``). What differs
+between SQLite and Postgres (connection set-up, file checks, what an error means) is asked of
+``wq_sql.dialects``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Optional
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from wq_sql import pooling
 from wq_sql.dialects import dialect_of
-from wq_sql.errors import DatabaseUnavailable, InvalidInput, UnsafeDatabase
+from wq_sql.dialects.postgresql import multihost_as_query
+from wq_sql.dialects.sqlite import DEFAULT_FILE as DEFAULT_SQLITE_FILE
+from wq_sql.errors import DatabaseUnavailable, InvalidInput
 
-DEFAULT_SQLITE_FILE = "wq_sql.db"
-NETWORK_FILESYSTEMS = {
-    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smbfs", "smb3", "fuse.sshfs", "ceph", "fuse.cephfs",
-    "glusterfs", "fuse.glusterfs", "9p", "afs", "beegfs", "fuse.s3fs", "fuse.gcsfuse",
-}
-MIN_SQLITE = (3, 35, 0)  # RETURNING
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # Where a driver's message may carry a password: a libpq DSN field (psycopg2 quotes a value with
 # '...' and backslash escapes), and the userinfo of a URL (SQLAlchemy's own parser lets a password
 # hold anything but "@").
@@ -52,47 +40,7 @@ def resolve_url(url: Optional[str | URL]) -> URL:
     except Exception as e:  # sqlalchemy raises ArgumentError; never echo a password back
         raise InvalidInput(f"not a database URL ({type(e).__name__}); expected e.g. "
                            "sqlite:///path/wq.db or postgresql://user@host/db") from None
-    if parsed.drivername in ("postgresql", "postgres"):
-        # SQLAlchemy 2.1 defaults to psycopg 3; wq_sql depends on psycopg2.
-        parsed = parsed.set(drivername="postgresql+psycopg2")
-    if parsed.get_backend_name() == "sqlite" and parsed.host:
-        # sqlite://jobs.db: SQLAlchemy reads jobs.db as a host and opens an in-memory database.
-        path = "/".join(p for p in (parsed.host, parsed.database) if p)
-        raise InvalidInput(
-            f"{safe_url(parsed)!r} names {parsed.host!r} as a host, and SQLite has none: a slash is "
-            f"probably missing. Use sqlite:///{path} (relative to the working directory) or "
-            f"sqlite:////abs/path/{Path(path).name} (an absolute path: four slashes)")
-    return parsed
-
-
-def multihost_as_query(raw: str) -> str:
-    """A libpq multi-host URL (``postgresql://u@h1:p1,h2:p2/db?target_session_attrs=read-write``,
-    the usual way to name a primary and its standbys) in the form SQLAlchemy reads
-    (``postgresql://u@/db?host=h1,h2&port=p1,p2&target_session_attrs=read-write``); SQLAlchemy's
-    own parser takes one host only and fails on the port. Other URLs are returned unchanged."""
-    scheme, sep, body = raw.partition("://")
-    if not sep or not re.match(r"^postgres(ql)?(\+\w+)?$", scheme):
-        return raw
-    head, q, query = body.partition("?")
-    userinfo, at, hostpath = head.rpartition("@")
-    hosts, slash, path = hostpath.partition("/")
-    if "," not in hosts:
-        return raw
-    names, ports = [], []
-    for token in hosts.split(","):
-        m = re.match(r"^(\[[^\]]*\]|[^:\[\]]*)(?::(\d*))?$", token)
-        if m is None or not m.group(1):
-            raise InvalidInput(f"cannot read host {token!r} of a multi-host URL: expected "
-                               "postgresql://user@host1:port1,host2:port2/db")
-        names.append(m.group(1).strip("[]"))
-        ports.append(m.group(2) or "")
-    params = [p.split("=", 1)[0] for p in query.split("&") if p]
-    if "host" in params or "port" in params:
-        raise InvalidInput("a multi-host URL names its hosts before the /; drop host= and port= "
-                           "from its query")
-    query = "&".join(filter(None, ["host=" + ",".join(names),
-                                   "port=" + ",".join(ports) if any(ports) else "", query]))
-    return f"{scheme}://{userinfo}{at}/{path}?{query}"
+    return dialect_of(parsed).check_url(parsed, safe_url(parsed))
 
 
 def safe_url(url: URL) -> str:
@@ -123,58 +71,8 @@ def open_error(url: URL, e: DBAPIError, *, given: str = URL_GIVEN) -> Optional[D
                 if ln.strip().startswith("connection to server")]
     if len(attempts) > 1:  # a multi-host URL: libpq says why each host failed, a line each
         detail = mask_secrets("; ".join(attempts))
-    low = detail.lower()
-    if url.get_backend_name() == "sqlite":
-        path = Path(url.database or "").expanduser().resolve()
-        if "unable to open" in low:
-            if path.is_dir():
-                msg = (f"the SQLite path {str(path)!r} is a folder; name a file in it, e.g. "
-                       f"sqlite:///{path / DEFAULT_SQLITE_FILE}")
-            elif not path.parent.is_dir():
-                msg = _missing_folder(path)
-            else:
-                msg = (f"cannot open the SQLite database {str(path)!r} ({detail}); check the path in "
-                       f"{given} and the permissions of the file and its folder")
-        elif "not a database" in low:
-            msg = (f"{str(path)!r} is not a SQLite database ({detail}); check the path in {given}, or "
-                   "name a new file for wq_sql to create")
-        elif "readonly" in low or "read-only" in low:
-            msg = (f"the SQLite database {str(path)!r} is read-only ({detail}) and wq_sql writes to it; "
-                   f"make the file and its folder writable (SQLite keeps {path.name}-wal and "
-                   f"{path.name}-shm beside it)")
-        else:
-            return None
-        return DatabaseUnavailable(msg)
-    if getattr(e.orig, "pgcode", None) == "25006":  # read_only_sql_transaction
-        return DatabaseUnavailable(
-            f"the server at {safe_url(url)} is read-only ({detail}): a standby, or a primary being "
-            f"demoted; point {given} at the primary, or list every node in a multi-host URL with "
-            "?target_session_attrs=read-write")
-    # psycopg2 gives a failure to connect (or a connection lost mid-statement) no SQLSTATE.
-    connecting = isinstance(e, OperationalError) and getattr(e.orig, "pgcode", None) is None
-    if not connecting and "invalid dsn" not in low:
-        return None
-    if "password authentication failed" in low or "no password supplied" in low:
-        fix = f"check the user and password in {given}, or ~/.pgpass"
-    elif "database" in low and "does not exist" in low:
-        fix = f"create the database (createdb {url.database}) or fix the database name in {given}"
-    elif "role" in low and "does not exist" in low:
-        fix = f"fix the user name in {given}"
-    elif "translate host name" in low:
-        fix = f"check the host name in {given}"
-    elif "pg_hba.conf" in low:
-        fix = ("the server does not let this user in from this host (pg_hba.conf): check the user "
-               f"and database in {given}, or ask the server's administrator")
-    elif "invalid dsn" in low:
-        fix = f"fix the options after ? in {given}"
-    elif "session is read-only" in low or "hot standby mode" in low:
-        fix = ("no host in the URL is a primary: a failover still in progress (raise busy_timeout= to "
-               "wait longer), or the URL lists only standbys")
-    elif "refused" in low:
-        fix = f"start the server, or check the host and port in {given}"
-    else:
-        fix = f"check the host and port in {given} and that the server is running"
-    return DatabaseUnavailable(f"cannot connect to {safe_url(url)}: {detail}; {fix}")
+    msg = dialect_of(url).open_error(url, e, detail, safe_url(url), given)
+    return None if msg is None else DatabaseUnavailable(msg)
 
 
 @contextmanager
@@ -188,48 +86,6 @@ def opening(url: URL, *, given: str = URL_GIVEN) -> Iterator[None]:
         if unavailable is None:
             raise
         raise unavailable from e
-
-
-def _missing_folder(path: Path) -> str:
-    return f"the folder of the SQLite file {str(path)!r} does not exist; create it first"
-
-
-def _mount_fstype(path: Path) -> Optional[str]:
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    best, fstype = "", None
-    target = str(path)
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, fstype = mnt, parts[2]
-    return fstype
-
-
-def check_sqlite_path(url: URL) -> None:
-    """Refuse what SQLite cannot do safely: old versions, WAL on network filesystems."""
-    if sqlite3.sqlite_version_info < MIN_SQLITE:
-        raise UnsafeDatabase(
-            f"SQLite {sqlite3.sqlite_version} is too old: wq_sql needs >= 3.35 (RETURNING). "
-            "Use a Python built against a newer SQLite, or PostgreSQL.")
-    db = url.database
-    if not db or db == ":memory:" or db.startswith("file:"):
-        raise InvalidInput("wq_sql needs a SQLite file shared by its workers, not an in-memory "
-                           "database: use sqlite:///path/to/queue.db")
-    path = Path(db).expanduser().resolve()
-    if not path.parent.is_dir():
-        raise DatabaseUnavailable(_missing_folder(path))
-    fstype = _mount_fstype(path.parent)
-    if fstype in NETWORK_FILESYSTEMS and not os.environ.get("WQ_SQL_ALLOW_NETWORK_FS"):
-        raise UnsafeDatabase(
-            f"{str(path)!r} is on a {fstype} filesystem, where SQLite's WAL locking is unsafe and the "
-            "queue could hand out an item twice. Put the file on a local disk, or use PostgreSQL "
-            "(WQ_SQL_URL=postgresql://...) for workers on several machines.")
 
 
 def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float = 30.0,
@@ -254,56 +110,10 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
     PgBouncer in transaction mode (:mod:`wq_sql.pooling`). ``startup_options=True``: as libpq
     startup options instead, one statement less per transaction, for direct connections only
     (PgBouncer refuses them)."""
-    backend = url.get_backend_name()
-    if backend == "sqlite":
-        if schema:
-            raise InvalidInput("schema= is for PostgreSQL; SQLite has one schema per file")
-        check_sqlite_path(url)
-        wait = lock_slice or busy_timeout
-        engine = create_engine(url, pool_size=pool_size, max_overflow=0,
-                               connect_args={"timeout": wait, "check_same_thread": False})
-        _sqlite_hooks(engine, autocheckpoint)
-        return engine
-    if backend != "postgresql":
-        raise InvalidInput(f"unsupported database {backend!r}: use sqlite:///file.db or postgresql://...")
-    connect_args: dict[str, Any] = {"application_name": "wq_sql",
-                                    **pooling.driver_connect_args(url.get_driver_name())}
-    timeouts = None
-    if statement_timeout is not None:
-        timeouts = pooling.Timeouts(int(statement_timeout * 1000), startup_options)
-        connect_args.update(timeouts.connect_args())
-    opts: dict[str, Any] = {}
-    if schema:
-        if not _IDENT.match(schema):
-            raise InvalidInput(f"schema must be a plain identifier (letters, digits, _), got {schema!r}")
-        opts["schema_translate_map"] = {None: schema}
-    engine = create_engine(url, pool_size=pool_size, max_overflow=0, pool_pre_ping=False,
-                           execution_options=opts, connect_args=connect_args)
-    if timeouts is not None:
-        timeouts.install(engine)
-    return engine
-
-
-def _sqlite_hooks(engine: Engine, autocheckpoint: bool) -> None:
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn: Any, _rec: Any) -> None:
-        # Let us issue BEGIN ourselves (pysqlite's implicit BEGIN is DEFERRED).
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        if not autocheckpoint:
-            cur.execute("PRAGMA wal_autocheckpoint=0")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Any) -> None:
-        # Read-only transactions ask for wq_read=True and do not take the write lock.
-        if conn.get_execution_options().get("wq_read"):
-            conn.exec_driver_sql("BEGIN")
-        else:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+    return dialect_of(url).make_engine(
+        url, schema=schema, busy_timeout=busy_timeout, statement_timeout=statement_timeout,
+        startup_options=startup_options, pool_size=pool_size, autocheckpoint=autocheckpoint,
+        lock_slice=lock_slice)
 
 
 @contextmanager

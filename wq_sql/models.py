@@ -26,6 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from wq_sql.dialects import Dialect
 from wq_sql.states import CHECKPOINT_ACTIONS, CLAIMED, EVENT_KINDS, ITEM_STATES, PENDING
 
 NAMING_CONVENTION = {
@@ -47,7 +48,7 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: Optional[dt.datetime], dialect: Any) -> Optional[dt.datetime]:
-        if value is not None and value.tzinfo is not None and dialect.name == "sqlite":
+        if value is not None and value.tzinfo is not None and Dialect(dialect.name).naive_timestamps:
             value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
         return value
 

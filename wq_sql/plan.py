@@ -11,7 +11,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Generic, Optional, TypeVar, Union
 
 from wq_sql.errors import InvalidInput
 
@@ -322,3 +322,26 @@ def check_options(lease_seconds: float, lease_ahead: int, max_attempts: Optional
                            "of live workers would expire between two heartbeats")
     return Options(float(lease_seconds), lease_ahead, max_attempts, bool(auto_complete), max_item_seconds,
                    beat, float(poll_seconds), float(busy_timeout), schema, bool(claim_ahead))
+
+
+T = TypeVar("T")
+
+
+class Part(Generic[T]):
+    """A read-only attribute that an object keeps in one of its parts, named by the part's
+    attribute: ``WorkQueue``'s settings (``Options``) and its stored queue row."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> T:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        value: T = getattr(getattr(obj, self.part), self.name)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{self.name} is read-only: pass it when constructing the object")

@@ -6,20 +6,18 @@ of claimed items, the claim round, the epoch maker and the refill thread) and th
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Optional
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from wq_sql import ops
+from wq_sql import ops, registry
 from wq_sql.claim import ClaimRound
 from wq_sql.db import LOCK_SLICE, Db
 from wq_sql.endings import Endings
@@ -33,6 +31,7 @@ from wq_sql.join import open_queue
 from wq_sql.lease import Heartbeat, Terms, register
 from wq_sql.migrate import ensure_schema
 from wq_sql.plan import (
+    Part,
     QueueSpec,
     Work,
     check_count,
@@ -50,27 +49,6 @@ from wq_sql.weak import weak_method
 __all__ = ["Progress", "WorkItem", "WorkQueue", "handed_out_by"]
 
 log = logging.getLogger("wq_sql")
-_live: weakref.WeakSet[WorkQueue] = weakref.WeakSet()
-T = TypeVar("T")
-
-
-class _Read(Generic[T]):
-    """A read-only attribute of ``WorkQueue`` kept in one of its parts: its checked settings
-    (``_opts``) or its stored queue row (``_row``)."""
-
-    def __init__(self, part: str) -> None:
-        self.part = part
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Optional[WorkQueue], owner: Optional[type] = None) -> T:
-        if obj is None:
-            return self  # type: ignore[return-value]
-        value: T = getattr(getattr(obj, self.part), self.name)
-        return value
-
-
 @dataclass(frozen=True)
 class Progress:
     """Counts for one queue; ``pending`` includes items of epochs not yet created."""
@@ -183,25 +161,25 @@ class WorkQueue:
                                 epochs, self._extent, rules)
             self._endings = Endings(db, self._qid, self._d)
             self._start(recovered)
-            _live.add(self)
+            registry.add(self, self._d.fresh_locks)
         except BaseException:
             if engine is None:
                 db.close()
             raise
 
-    lease_seconds: _Read[float] = _Read("_opts")
-    lease_ahead: _Read[int] = _Read("_opts")
-    auto_complete: _Read[bool] = _Read("_opts")
-    max_item_seconds: _Read[Optional[float]] = _Read("_opts")
-    heartbeat_seconds: _Read[float] = _Read("_opts")
-    poll_seconds: _Read[float] = _Read("_opts")
-    busy_timeout: _Read[float] = _Read("_opts")
-    schema: _Read[Optional[str]] = _Read("_opts")
-    claim_ahead: _Read[bool] = _Read("_opts")
-    shuffle: _Read[bool] = _Read("_row")
-    seed: _Read[int] = _Read("_row")
-    num_slices: _Read[Optional[int]] = _Read("_row")
-    max_attempts: _Read[int] = _Read("_row")
+    lease_seconds: Part[float] = Part("_opts")
+    lease_ahead: Part[int] = Part("_opts")
+    auto_complete: Part[bool] = Part("_opts")
+    max_item_seconds: Part[Optional[float]] = Part("_opts")
+    heartbeat_seconds: Part[float] = Part("_opts")
+    poll_seconds: Part[float] = Part("_opts")
+    busy_timeout: Part[float] = Part("_opts")
+    schema: Part[Optional[str]] = Part("_opts")
+    claim_ahead: Part[bool] = Part("_opts")
+    shuffle: Part[bool] = Part("_row")
+    seed: Part[int] = Part("_row")
+    num_slices: Part[Optional[int]] = Part("_row")
+    max_attempts: Part[int] = Part("_row")
 
     @classmethod
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
@@ -300,17 +278,12 @@ class WorkQueue:
 
     def prefetch(self, min_claim: int = 1) -> int:
         """Top the buffer of claimed items up to ``lease_ahead`` in one round trip (which also
-        sends the pending acknowledgements), if at least ``min_claim`` places are free. Unlike
-        ``take()``, the queue's lock is not held during the round trip, so another thread can take
-        buffered items meanwhile: a background thread calling this keeps ``take()`` off the
-        database (:meth:`refill_soon`). One refill at a time (``take()`` on an empty buffer waits
-        for it instead of claiming too), so claimed-but-not-handed-out items stay at most
-        ``lease_ahead``; after a ``take_many()``, its items but one count against ``lease_ahead``
-        too, so claimed items not yet reached by the consumer stay at most ``lease_ahead``.
-
-        Returns how many items were claimed: 0 when the buffer is full enough, another refill
-        runs, or nothing is claimable now (then ``take()`` makes the next epoch, recovers expired
-        leases, waits or raises ``QueueExhausted``, as without prefetching)."""
+        sends the pending acknowledgements), if at least ``min_claim`` places are free, without
+        holding the queue's lock during the round trip: another thread can take buffered items
+        meanwhile (:meth:`refill_soon` runs it in a background thread). One refill at a time, so
+        claimed items not yet reached by the consumer stay at most ``lease_ahead``. Returns how
+        many items were claimed: 0 when the buffer is full enough, another refill runs, or
+        nothing is claimable now (``take()`` then goes on as without prefetching)."""
         self._ensure_process()
         return self._d.prefetch(min_claim)
 
@@ -466,7 +439,7 @@ class WorkQueue:
         with d.lock:
             if not d.close():
                 return
-            _live.discard(self)
+            registry.discard(self)
             self._heartbeat.stop_event.set()
             if not mine or d.superseded:
                 db.close()
@@ -502,36 +475,14 @@ class WorkQueue:
             member, recovered = register(self._db, self._qid, self.name, self.worker, self._terms())
             d.after_fork(member)
             self._start(recovered)
-            _live.add(self)
-
-
-@atexit.register
-def _close_all() -> None:
-    """A normal interpreter exit is a clean exit: acknowledge what was handed out."""
-    for wq in list(_live):
-        try:
-            wq.close()
-        except Exception as e:  # the database may be gone at exit; leases cover it
-            log.warning("closing queue %r at exit failed: %s", wq.name, e)
+            registry.add(self, self._d.fresh_locks)
 
 
 def handed_out_by(item: str) -> Optional[tuple[WorkQueue, WorkItem]]:
     """The open queue object of this process that handed ``item`` out recently, and the
     hand-out itself (None if none did)."""
-    for wq in list(_live):
-        held = wq.recent(item)
+    for wq in registry.open_objects():
+        held = wq.recent(item) if isinstance(wq, WorkQueue) else None
         if held is not None:
             return wq, held
     return None
-
-
-def _after_fork_in_child() -> None:
-    """Locks that another thread of the parent held at ``fork()`` (say, inside ``take()``) would
-    stay held forever in the child: give every queue fresh ones before the child touches it
-    (``_ensure_process`` then re-registers it). Database handles reset their own (``db.py``)."""
-    for wq in list(_live):
-        wq._d.fresh_locks()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_after_fork_in_child)

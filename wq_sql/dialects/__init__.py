@@ -20,6 +20,10 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.elements import ColumnElement
 
+from wq_sql.dialects import postgresql as _pg
+from wq_sql.dialects import sqlite as _sqlite
+from wq_sql.errors import InvalidInput
+
 SQLITE, POSTGRESQL = "sqlite", "postgresql"
 
 # Item rows per transaction when a worker makes the next epoch (``epochs.EpochMaker``): a few ms
@@ -41,7 +45,7 @@ LOST = ("disconnected", "cannot connect", "read-only")
 _SERVER_BUSY = ("the database system is starting up", "too many clients", "remaining connection slots",
                 "session is read-only", "server is in hot standby mode")
 # SQLSTATE read_only_sql_transaction: a write on a standby, or on a server made read-only.
-_READ_ONLY = "25006"
+_READ_ONLY = _pg.READ_ONLY
 # Postgres' key for "the wq_sql migration lock" among a database's advisory locks (any constant).
 _PG_MIGRATION_LOCK = 0x77715F73716C
 
@@ -55,6 +59,34 @@ class Dialect:
     @property
     def is_sqlite(self) -> bool:
         return self.name == SQLITE
+
+    # ------------------------------------------------------------------ engines
+
+    def check_url(self, url: URL, shown: str) -> URL:
+        """``url`` with wq_sql's driver; :class:`InvalidInput` for a URL that cannot be meant."""
+        if self.is_sqlite:
+            _sqlite.check_url(url, shown)
+            return url
+        return _pg.with_driver(url) if self.name == POSTGRESQL else url
+
+    def make_engine(self, url: URL, *, schema: Optional[str], busy_timeout: float,
+                    statement_timeout: Optional[float], startup_options: bool, pool_size: int,
+                    autocheckpoint: bool, lock_slice: Optional[float]) -> Engine:
+        """A new engine for ``url`` (see ``engine.make_engine`` for the options)."""
+        if self.name not in (SQLITE, POSTGRESQL):
+            raise InvalidInput(f"unsupported database {self.name!r}: use sqlite:///file.db or postgresql://...")
+        if self.is_sqlite:
+            return _sqlite.make_engine(url, schema=schema, busy_timeout=busy_timeout, pool_size=pool_size,
+                                       autocheckpoint=autocheckpoint, lock_slice=lock_slice)
+        return _pg.make_engine(url, schema=schema, statement_timeout=statement_timeout,
+                               startup_options=startup_options, pool_size=pool_size)
+
+    def open_error(self, url: URL, e: DBAPIError, detail: str, shown: str, given: str) -> Optional[str]:
+        """The one-line message, naming the fix, of ``e`` if it says that the database cannot be
+        reached or opened; else None."""
+        if self.is_sqlite:
+            return _sqlite.open_error(url, detail, given)
+        return _pg.open_error(url, e, detail, shown, given)
 
     # ------------------------------------------------------------------ the clock
 
@@ -140,6 +172,11 @@ class Dialect:
     # ------------------------------------------------------------------ facts
 
     @property
+    def naive_timestamps(self) -> bool:
+        """Whether timestamps are stored without a zone (SQLite: in UTC, as text)."""
+        return self.is_sqlite
+
+    @property
     def epoch_chunk(self) -> int:
         return EPOCH_CHUNK_SQLITE if self.is_sqlite else EPOCH_CHUNK_PG
 
@@ -206,8 +243,7 @@ def sqlite_file(url: URL) -> Optional[Path]:
 
 
 def dialect_of(bind: Engine | Connection | URL) -> Dialect:
-    """The :class:`Dialect` of an engine, a connection or a URL."""
-    if isinstance(bind, URL):
-        return Dialect(bind.get_backend_name())
-    return Dialect(bind.dialect.name)
+    """The :class:`Dialect` of an engine, a connection or a URL (a source table's database may
+    be another backend: it gets Postgres' answers, which are standard SQL)."""
+    return Dialect(bind.get_backend_name() if isinstance(bind, URL) else bind.dialect.name)
 
