@@ -9,6 +9,7 @@ the database clock (lease_until against event times), never against tight wall-c
 from __future__ import annotations
 
 import collections
+import random
 import signal
 import sqlite3
 import time
@@ -19,6 +20,9 @@ from typing import Any
 
 import pytest
 from worker_proc import Proc, make_works, query, query_commit, received_multiset
+
+from wq_sql import WorkQueue
+from wq_sql.lease import LOOKS_PER_HOST, looks_this_beat
 
 
 @pytest.fixture
@@ -208,6 +212,45 @@ def test_a_worker_elsewhere_that_stops_heartbeating_is_gone_after_three_beats(
     assert (ts(until) - ts(h[1].at)).total_seconds() > 30
     assert "worker 'far' stopped heartbeating" in b.stderr()
     assert_all_done_once(db_url, name, n)
+
+
+def test_on_a_busy_host_a_few_workers_look_for_lost_items_per_beat() -> None:
+    """Every worker looking at every beat would cost N x N row reads per heartbeat period: the
+    looks are sampled so that about LOOKS_PER_HOST workers of a host look per period."""
+    rng = random.Random(7)
+    assert all(looks_this_beat(n, 0.999) for n in range(1, LOOKS_PER_HOST + 1))
+    for n in (8, 100, 2000):
+        draws = 100_000
+        per_period = sum(looks_this_beat(n, rng.random()) for _ in range(draws)) / draws * n
+        assert per_period == pytest.approx(LOOKS_PER_HOST, rel=0.15), n
+
+
+def test_sigkill_on_a_busy_host_comes_back_within_a_few_beats(
+        db_url: str, tmp_path: Path, procs: list[Proc]) -> None:
+    """With 12 more workers on this host (so each looks at about a third of its beats), a
+    SIGKILLed worker's item still comes back within a few heartbeats, not after the lease."""
+    n, name = 4, "busyhost"
+    works = make_works(n)
+    a = start(procs, db_url, name, "dead", tmp_path, n, shuffle=0, lease=60, heartbeat=0.5, hold=1)
+    assert holding(a) == (0, 0, works[0])
+    idle = [WorkQueue.attach(name, url=db_url, worker=f"idle{i}", lease_seconds=60, heartbeat_seconds=0.5)
+            for i in range(12)]
+    try:
+        time.sleep(1.5)  # each has looked once and learned how many workers this host has
+        a.kill()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 30:
+            if [r.kind for r in history(db_url, name, 0, 0)][-1] == "expire":
+                break
+            time.sleep(0.1)
+        back = time.monotonic() - killed
+    finally:
+        for q in idle:
+            q.close()
+    h = history(db_url, name, 0, 0)
+    assert [r.kind for r in h] == ["claim", "expire"], h
+    assert h[1].detail.startswith("worker 'dead' died (its process"), h[1].detail
+    assert back < 10, back  # 60 s lease; P(no look in 10 s) is below 1e-30
 
 
 def test_an_older_workers_item_comes_back_only_after_the_lease(db_url: str, tmp_path: Path,

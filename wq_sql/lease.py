@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from wq_sql.liveness import why_gone
 
 log = logging.getLogger("wq_sql")
 CHECKPOINT_SECONDS = 1.0  # SQLite: how often the heartbeat thread checkpoints the WAL
+LOOKS_PER_HOST = 4  # workers of a host that look for lost items per heartbeat period, on average
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,15 @@ def register(db: Db, qid: int, queue: str, worker: str, terms: Terms) -> tuple[M
     return Member(worker_id, incarnation), recovered
 
 
-def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> int:
+def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> tuple[int, int]:
     """Return to the queue the items of workers that are gone (dead on this host, or not
-    heartbeating: :mod:`wq_sql.liveness`) and of expired leases. Returns how many."""
+    heartbeating: :mod:`wq_sql.liveness`) and of expired leases. Returns how many, and how many
+    live workers the queue has on this host (0: not known, during an outage)."""
     d, host = db.dialect, hostname()
     # expire_tx: decided and done only while no outage could have kept the others from renewing.
-    none: list[ops.Holder] = []
-    holders = db.expire_tx(lambda c: ops.holders_to_check(c, d, qid, me.worker_id, host), default=none,
-                           read=True)
+    none: tuple[list[ops.Holder], int] = ([], 0)
+    holders, on_host = db.expire_tx(lambda c: ops.holders_to_check(c, d, qid, me.worker_id, host),
+                                    default=none, read=True)
     total = 0
     for h in holders:
         gone = why_gone(h, host)
@@ -121,7 +124,18 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> 
     n = db.expire_tx(lambda c: ops.expire(c, d, qid, max_attempts), default=0)
     if n:
         log.info("queue %r: %d item(s) whose lease expired went back to the queue", queue, n)
-    return total + n
+    return total + n, on_host
+
+
+def looks_this_beat(on_host: int, draw: float) -> bool:
+    """Whether a heartbeat also looks for lost items (:func:`return_lost`), given how many live
+    workers the queue had on this host at the last look and a uniform draw in [0, 1). Each look
+    reads the queue's worker rows and scans its claimed items, so if every worker looked at every
+    beat, N workers would cost N x N row reads per heartbeat period; instead about
+    ``LOOKS_PER_HOST`` workers of each host look per period, chosen at random each beat, so a
+    dead process's items still come back within about one period (its host's lookers see its pid
+    gone) and a stale worker's or an expired lease's too (any host's lookers see them)."""
+    return on_host <= LOOKS_PER_HOST or draw * on_host < LOOKS_PER_HOST
 
 
 # What the heartbeat asks its owner each beat: the lease tokens of every item it holds and how
@@ -141,6 +155,7 @@ class Heartbeat:
                  superseded: Callable[[], None], returned: Callable[[], None]) -> None:
         self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
         self._holding, self._superseded, self._returned = holding, superseded, returned
+        self.on_host = 1  # live workers of the queue on this host, as of the last look
         self.stop_event = threading.Event()
         self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self.stop_event),
                                         name=f"wq_sql-heartbeat-{queue}", daemon=True)
@@ -162,8 +177,11 @@ class Heartbeat:
         if not ok:
             self._superseded()
             return
-        if self.db.may_expire and return_lost(self.db, self.qid, self.me, t.max_attempts, self.queue):
-            self._returned()
+        if self.db.may_expire and looks_this_beat(self.on_host, random.random()):
+            n, on_host = return_lost(self.db, self.qid, self.me, t.max_attempts, self.queue)
+            self.on_host = on_host or self.on_host
+            if n:
+                self._returned()
 
 
 def _loop(ref: weakref.ref[Heartbeat], stop: threading.Event) -> None:

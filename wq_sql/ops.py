@@ -364,8 +364,9 @@ class Holder:
     held: int
 
 
-def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str) -> list[Holder]:
-    """The other workers holding items that are stale or on ``host``: a read, one statement."""
+def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str) -> tuple[list[Holder], int]:
+    """The other workers holding items that are stale or on ``host``, and how many live workers
+    (this one included) the queue has on ``host``: a read, two statements."""
     age = b.seconds_since(workers.c.heartbeat_at)
     stale = and_(workers.c.beat_seconds.is_not(None), age > STALE_BEATS * workers.c.beat_seconds)
     held = (select(func.count()).where(items.c.queue_id == qid, items.c.worker_id == workers.c.id,
@@ -376,8 +377,10 @@ def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str)
                held.label("held"))
         .where(workers.c.queue_id == qid, workers.c.id != me, workers.c.heartbeat_at.is_not(None),
                or_(workers.c.host == host, stale))).all()
+    on_host = conn.execute(select(func.count()).where(
+        workers.c.queue_id == qid, workers.c.host == host, workers.c.heartbeat_at.is_not(None))).scalar_one()
     return [Holder(r.id, r.name, r.host, r.pid, r.proc_start, r.incarnation, float(r.age), bool(r.stale),
-                   int(r.held)) for r in rows if r.held]
+                   int(r.held)) for r in rows if r.held], int(on_host)
 
 
 def give_back_held(conn: Connection, b: Dialect, qid: int, h: Holder, max_attempts: int, why: str,
