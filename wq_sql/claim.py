@@ -42,6 +42,8 @@ class ClaimRound:
         self._floor: Optional[tuple[int, int]] = None
         self._rounds = 0
         p = f'"{schema}".' if schema else ""
+        # The one place this module names its dialect: which texts, and which runner of them.
+        self._run = self._run_sqlite if b.is_sqlite else self._run_postgres
         if b.is_sqlite:
             # Completed as one statement per round: (id, token) pairs as a VALUES list.
             self._ack = (
@@ -111,10 +113,10 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
         """Claim up to ``limit`` items (default ``n``), in the transaction open on ``conn``, a
         driver connection (``engine.driver_transaction``). Returns (ids of acks accepted, items
         claimed in hand-out order, work by work index)."""
-        token = new_token()
-        n = self.n if limit is None else limit
-        if self.b.is_sqlite:
-            return self._run_sqlite(conn, qid, worker_id, acks, token, n)
+        return self._run(conn, qid, worker_id, acks, new_token(), self.n if limit is None else limit)
+
+    def _run_postgres(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
+                      token: int, n: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
         params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease,
                   "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
         self._rounds += 1
