@@ -126,7 +126,8 @@ class _Count(logging.Handler):
 
 
 def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optional[str], ready: Any,
-          go: Any, stop: Any, idle_ready: Any, out: Any, slow: Optional[list[float]] = None) -> None:
+          go: Any, stop: Any, idle_ready: Any, out: Any, slow: Optional[list[float]] = None,
+          options: Optional[dict[str, Any]] = None) -> None:
     """``n`` worker threads. Busy phase: take until ``stop`` (or the queue ends); idle phase: join
     queue ``idle`` and take until it ends. Puts one dict of results."""
     warn = _Count()
@@ -145,7 +146,7 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
         ms = slow[k] if slow is not None else item_ms
         wq = None
         try:
-            wq = WorkQueue.attach(busy, url=url, worker=name)
+            wq = WorkQueue.attach(busy, url=url, worker=name, **(options or {}))
         except BaseException as e:  # noqa: BLE001 - reported
             errors.append(f"{name} join: {type(e).__name__}: {e}"[:300])
         ready_b.wait()
@@ -282,7 +283,8 @@ def _create(url: str, name: str, n_items: int) -> None:
 
 
 def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idle: Optional[str],
-                 slow: Optional[list[float]] = None) -> tuple[list[Any], dict[str, Any]]:
+                 slow: Optional[list[float]] = None,
+                 options: Optional[dict[str, Any]] = None) -> tuple[list[Any], dict[str, Any]]:
     ctx = mp.get_context("fork")
     ev = {"go": ctx.Event(), "stop": ctx.Event(), "out": ctx.Queue()}
     procs, readies, idles = [], [], []
@@ -290,7 +292,7 @@ def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idl
         k = min(per_proc, n - first)
         r, i = ctx.Event(), ctx.Event()
         p = ctx.Process(target=_proc, args=(rig.url, first, k, item_ms, busy, idle, r, ev["go"], ev["stop"],
-                                            i, ev["out"], slow[first:first + k] if slow else None))
+                                            i, ev["out"], slow[first:first + k] if slow else None, options))
         p.start()
         procs.append(p)
         readies.append(r)
@@ -482,7 +484,8 @@ def tail(a: argparse.Namespace) -> int:
     try:
         name = "tail"
         _create(rig.url, name, items)
-        procs, ev = _start_procs(rig, w, a.per_proc, 0.0, name, None, ms)
+        procs, ev = _start_procs(rig, w, a.per_proc, 0.0, name, None, ms,
+                                 {"claim_ahead": True} if a.claim_ahead else None)
         _wait_all(ev["readies"], 600, "join")
         server = CpuMeter(rig.pg.postmaster_pid(), True)
         server.start()
@@ -504,13 +507,17 @@ def tail(a: argparse.Namespace) -> int:
             "SELECT extract(epoch FROM max(done_at) - min(claimed_at)), "
             f"extract(epoch FROM (SELECT claimed_at FROM wq_items ORDER BY claimed_at OFFSET {w - 1} LIMIT 1) "
             "- min(claimed_at)) FROM wq_items")[0])
+        top = rig.sql("SELECT calls, round(mean_exec_time::numeric, 2), round(max_exec_time::numeric, 1), "
+                      "left(regexp_replace(query, '\\s+', ' ', 'g'), 90) FROM pg_stat_statements "
+                      "ORDER BY total_exec_time DESC LIMIT 6")
     finally:
         rig.close()
     finished = [f for r in results for f in r["finished"]]
     errors = [e for r in results for e in r["errors"]]
     makespan = max(finished) if finished else math.nan
     print(f"\n## long tail at scale: {w} workers ({n_slow} of them {a.slow_factor:g}x slow), {items} items of "
-          f"{a.fast_ms:g} ms (slow: {a.fast_ms * a.slow_factor:g} ms), through PgBouncer\n")
+          f"{a.fast_ms:g} ms (slow: {a.fast_ms * a.slow_factor:g} ms), through PgBouncer"
+          f"{', claim_ahead=True' if a.claim_ahead else ''}\n")
     print("| | seconds | x ideal |")
     print("|---|---|---|")
     print(f"| work queue (measured: go to the last worker's end) | {makespan:.2f} | {makespan / ideal:.3f} |")
@@ -520,6 +527,16 @@ def tail(a: argparse.Namespace) -> int:
     print(f"| ideal: total work / total speed (computed) | {ideal:.2f} | 1.000 |")
     print(f"| drain: first claim to last item done (database clock) | {drain:.2f} | {drain / ideal:.3f} |")
     print(f"| start: first claim to every worker's first (the {w}th claim) | {start:.2f} | |")
+    lat = sorted(x for r in results for x in r["lat"])
+    if lat:
+        per_worker = sum(lat) / w
+        print(f"| take(): p50 {lat[len(lat) // 2] * 1e3:.1f} ms, p99 {lat[int(len(lat) * 0.99)] * 1e3:.1f} ms; "
+              f"time in take() per worker | {per_worker:.2f} | {per_worker / ideal:.3f} |")
+    print("\nthe server's top statements by total time: calls, mean ms, max ms, text")
+    for row in top:
+        print("  ", " | ".join(str(x) for x in row))
+    cpu = sum(r["cpu_total"] for r in results)
+    print(f"| worker processes' CPU, all of them (cores over the drain) | {cpu / drain:.2f} | |")
     print(f"\nworkers that ended: {len(finished)} of {w}; errors {len(errors)} {errors[:3]}; "
           f"server CPU {server_cpu / wall:.2f} cores; target makespan <= 1.10x ideal: "
           f"{'met' if makespan / ideal <= 1.10 and not errors and len(finished) == w else 'MISSED'}", flush=True)
@@ -557,6 +574,8 @@ def main(argv: list[str]) -> int:
     t.add_argument("--slow-factor", type=float, default=4.0)
     t.add_argument("--fast-ms", type=float, default=500.0)
     t.add_argument("--items-per-worker", type=int, default=50)
+    t.add_argument("--claim-ahead", action="store_true",
+                   help="workers claim their next item while they work on one (WorkQueue(claim_ahead=True))")
     a = ap.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
