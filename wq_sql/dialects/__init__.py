@@ -245,5 +245,6 @@ def sqlite_file(url: URL) -> Optional[Path]:
 def dialect_of(bind: Engine | Connection | URL) -> Dialect:
     """The :class:`Dialect` of an engine, a connection or a URL (a source table's database may
     be another backend: it gets Postgres' answers, which are standard SQL)."""
-    return Dialect(bind.get_backend_name() if isinstance(bind, URL) else bind.dialect.name)
+    name = bind.get_backend_name() if isinstance(bind, URL) else bind.dialect.name
+    return Dialect(POSTGRESQL if name == "postgres" else name)  # postgres:// is libpq's alias
 
