@@ -282,6 +282,9 @@ class RecentDone:
     done: int
     by_worker: dict[Optional[int], int]
     rate: Optional[float]  # items per second; None with fewer than two (a rate needs two points)
+    # The seconds the counts cover: the window, or less when the newest RATE_EVENT_SPAN events
+    # all fall inside it (a fast job): ``by_worker[w] / seconds`` is then still a rate.
+    seconds: float = RATE_WINDOW_SECONDS
 
 
 def recent_done(conn: Connection, qid: int, now: dt.datetime,
@@ -291,8 +294,13 @@ def recent_done(conn: Connection, qid: int, now: dt.datetime,
     e = ops.events
     newest = conn.execute(select(func.max(e.c.id))).scalar_one_or_none()
     if newest is None:
-        return RecentDone(0, {}, None)
+        return RecentDone(0, {}, None, window)
     since = now - dt.timedelta(seconds=window)
+    first = conn.execute(select(func.min(e.c.at)).where(e.c.id > newest - RATE_EVENT_SPAN,
+                                                        e.c.id <= newest - RATE_EVENT_SPAN + 1)).scalar()
+    if first is not None and first.tzinfo is None:
+        first = first.replace(tzinfo=dt.timezone.utc)
+    seconds = window if first is None or first <= since else max((now - first).total_seconds(), 1e-3)
     # Both ends of the id range, and "queue_id + 0": SQLite's planner would otherwise scan the
     # (queue_id, item_id) index, every event of the queue, instead of the primary key range.
     rows = conn.execute(
@@ -302,12 +310,12 @@ def recent_done(conn: Connection, qid: int, now: dt.datetime,
     by_worker = {r[0]: int(r[1]) for r in rows}
     k = sum(by_worker.values())
     if k < 2:
-        return RecentDone(k, by_worker, None)
+        return RecentDone(k, by_worker, None, seconds)
     oldest = min(r[2] for r in rows)
     if oldest.tzinfo is None:
         oldest = oldest.replace(tzinfo=dt.timezone.utc)
     span = max((now - oldest).total_seconds(), 1e-3)
-    return RecentDone(k, by_worker, (k - 1) / span)
+    return RecentDone(k, by_worker, (k - 1) / span, seconds)
 
 
 # ---------------------------------------------------------------- timeline

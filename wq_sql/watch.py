@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import statistics
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
@@ -51,6 +52,8 @@ WINDOW_SECONDS = report.RATE_WINDOW_SECONDS
 # process's delivery and starts the restarted one's, which is in flight or ends later).
 ENDING_KINDS = (EV_DONE, EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER)
 LEASE_EXPIRED = "lease expired"  # the detail of an expire row whose lease ran out (ops.expire)
+# HistoryCounts: a snapshot's ids are taken as settled after this long, whatever runs elsewhere.
+SETTLE_SECONDS = 120.0
 # Failure kinds: why a delivery ended with an attempt counted.
 FAILURE_KINDS = ("error", "lease_expired", "worker_gone", "worker_restarted")
 
@@ -156,7 +159,7 @@ def read_queue(conn: Connection, d: Dialect, q: Any, *, window: float = WINDOW_S
                      and age > ops.STALE_BEATS * r.beat_seconds)
         k = recent.by_worker.get(r.id, 0)
         old_enough = _seconds(st.now, r.started_at) >= window
-        rate = k / window if live and old_enough else None
+        rate = k / recent.seconds if live and old_enough else None
         if rate is not None:
             judged.append(rate)
         done, failed = st.by_worker.get(r.id, (0, 0))
@@ -202,13 +205,18 @@ class HistoryCounts:
     only up to the highest id that no transaction in flight can still add below
     (``Dialect.commit_horizon``: on SQLite every id seen; on Postgres the highest id an earlier
     snapshot saw, once every transaction in flight then has ended); rows above are summed afresh
-    at each call, usually the rows of the last scrape or two. The first call reads the whole
-    history once."""
+    at each call, usually the rows of the last scrape or two. A transaction elsewhere on the
+    server that runs long holds ``xmin`` back: marks older than ``settle_seconds`` settle anyway
+    (wq_sql's own transactions end within their 60 s ``statement_timeout``), so the rows summed
+    afresh stay those of the last two minutes at most. The first call reads the whole history
+    once."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, settle_seconds: float = SETTLE_SECONDS) -> None:
+        self.settle_seconds = settle_seconds
         self.settled: dict[tuple[int, int], Counter[str]] = {}
         self.upto = 0
-        self._marks: deque[tuple[int, int]] = deque()  # (xmax of a snapshot, the top id it saw)
+        # (when, xmax of a snapshot, the top id it saw)
+        self._marks: deque[tuple[float, int, int]] = deque()
 
     def read(self, conn: Connection) -> dict[tuple[int, int], Counter[str]]:
         """The sums, as of the caller's snapshot (run it in one: :func:`snapshot`)."""
@@ -219,11 +227,13 @@ class HistoryCounts:
             settle_to: Optional[int] = top
         else:
             xmin, xmax = horizon
+            now = time.monotonic()
             settle_to = None
-            while self._marks and self._marks[0][0] <= xmin:
-                settle_to = self._marks.popleft()[1]
-            if not self._marks or self._marks[-1][1] < top:
-                self._marks.append((xmax, top))
+            while self._marks and (self._marks[0][1] <= xmin
+                                   or self._marks[0][0] <= now - self.settle_seconds):
+                settle_to = self._marks.popleft()[2]
+            if not self._marks or self._marks[-1][2] < top:
+                self._marks.append((now, xmax, top))
         if settle_to is not None and settle_to > self.upto:
             _add(self.settled, self._sum(conn, self.upto, settle_to))
             self.upto = settle_to
