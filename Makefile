@@ -41,11 +41,13 @@ demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 test: $(VENV)/.tf $(VENV)/.torch  ## set up and run every test (SQLite and PostgreSQL; core, TensorFlow, PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
+	WQ_SQL_CHROMIUM="$$(bash scripts/chromium.sh || true)" && export WQ_SQL_CHROMIUM && \
 	$(BIN)/python -m pytest tests
 
 test-core: $(VENV)/.test  ## the core suite only (no TensorFlow, no PyTorch)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh || true)" && export WQ_SQL_PGBOUNCER && \
+	WQ_SQL_CHROMIUM="$$(bash scripts/chromium.sh || true)" && export WQ_SQL_CHROMIUM && \
 	$(BIN)/python -m pytest tests --ignore=tests/tf --ignore=tests/torch
 
 test-tf: $(VENV)/.tf  ## the TensorFlow shim's tests only

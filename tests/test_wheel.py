@@ -74,6 +74,7 @@ def test_wheel_ships_the_migrations_inside_the_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "wq_sql/_migrations/env.py" in names
     assert "wq_sql/_migrations/script.py.mako" in names
+    assert "wq_sql/dashboard.html" in names  # the page `wq-sql dashboard` serves
     versions = [n for n in names if n.startswith("wq_sql/_migrations/versions/")
                 and n.endswith(".py") and not n.endswith("__init__.py")]
     assert versions, names
@@ -93,6 +94,7 @@ def test_wheel_ships_the_migrations_inside_the_package(wheel: Path) -> None:
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     assert any("sqlalchemy" in r.lower() for r in requires)
     assert all("extra ==" in r for r in requires if "tensorflow" in r.lower())
+    assert all("extra ==" in r for r in requires if "prometheus" in r.lower())
 
 
 def test_installed_wheel_runs_a_queue_outside_the_checkout(

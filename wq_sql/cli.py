@@ -21,6 +21,10 @@
                                 put items back to pending, in one transaction
     wq-sql report NAME --out FILE.html|FILE.svg|FILE.png
                                 a timeline: one lane per worker, one bar per delivery
+    wq-sql metrics [--port 9464] [--host 127.0.0.1] [--queue NAME]... [--per-worker | --top-k K]
+                                serve Prometheus metrics computed from the database at each scrape
+    wq-sql dashboard [--port 8464] [--host 127.0.0.1] [--queue NAME] [--minutes N]
+                                serve a live web page: progress, ETA, stragglers, failures, timeline
     wq-sql reset NAME --yes     start a queue over at epoch 0 (its history is deleted)
     wq-sql drop NAME --yes      delete a queue and everything it holds
 
@@ -775,6 +779,45 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serving(what: str) -> Callable[[str], None]:
+    def ready(address: str) -> None:
+        print(f"serving {what} on {address} (Ctrl-C stops)", flush=True)
+    return ready
+
+
+def _check_window(args: argparse.Namespace) -> None:
+    if not math.isfinite(args.window) or args.window <= 0:
+        raise CliError(f"--window must be a positive number of seconds, got {args.window}")
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    _check_window(args)
+    if args.top_k < 0:
+        raise CliError(f"--top-k must be 0 or more, got {args.top_k}")
+    from wq_sql import metrics
+
+    url = _url(args)
+    with _checked_engine(args, url) as engine:
+        metrics.serve(engine, host=args.host, port=args.port, queues=args.queue or (),
+                      per_worker=args.per_worker, top_k=args.top_k, window=args.window,
+                      ready=_serving(f"Prometheus metrics of {_label(url, args.schema)}"))
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    _check_window(args)
+    if not math.isfinite(args.minutes) or args.minutes <= 0:
+        raise CliError(f"--minutes must be a positive number, got {args.minutes}")
+    from wq_sql import dashboard
+
+    url = _url(args)
+    with _checked_engine(args, url) as engine:
+        dashboard.serve(engine, _label(url, args.schema), host=args.host, port=args.port, queue=args.queue,
+                        minutes=args.minutes, window=args.window,
+                        ready=_serving(f"the dashboard of {_label(url, args.schema)}"))
+    return 0
+
+
 def cmd_reset(args: argparse.Namespace) -> int:
     url = _url(args)
     def read(conn: Connection) -> tuple[Any, int, int, int]:
@@ -884,6 +927,27 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("name", metavar="NAME")
     rp.add_argument("--out", required=True, metavar="FILE",
                     help=f"FILE.html (self-contained, inline SVG), FILE.svg, or FILE.png ({PLOT_EXTRA})")
+    me = add("metrics", cmd_metrics, "serve Prometheus metrics computed from the database at each scrape "
+             "(pip install 'wq_sql[metrics]')")
+    me.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    me.add_argument("--port", type=int, default=9464, help="port (default 9464; 0: any free one)")
+    me.add_argument("--queue", action="append", metavar="NAME", help="only this queue (repeatable)")
+    who = me.add_mutually_exclusive_group()
+    who.add_argument("--per-worker", action="store_true", help="a series per worker for every worker "
+                     "(default: only the --top-k slowest stragglers)")
+    who.add_argument("--top-k", type=int, default=5, metavar="K",
+                     help="per-worker series for at most K stragglers, slowest first (default 5)")
+    me.add_argument("--window", type=float, default=60.0, metavar="S",
+                    help="seconds over which rates are measured (default 60)")
+    da = add("dashboard", cmd_dashboard, "serve a live web page of the queues: progress and ETA per epoch, "
+             "workers by rate with stragglers marked, recent failures, the timeline")
+    da.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    da.add_argument("--port", type=int, default=8464, help="port (default 8464; 0: any free one)")
+    da.add_argument("--queue", metavar="NAME", help="only this queue (default: every queue, by name)")
+    da.add_argument("--minutes", type=float, default=10.0, metavar="N",
+                    help="the timeline and failures cover the last N minutes (default 10)")
+    da.add_argument("--window", type=float, default=60.0, metavar="S",
+                    help="seconds over which rates are measured (default 60)")
     rs = add("reset", cmd_reset, "start a queue over at epoch 0 (deletes its progress and history)")
     rs.add_argument("name", metavar="NAME")
     rs.add_argument("--yes", action="store_true", help="do not ask for confirmation")

@@ -232,8 +232,9 @@ def history_line(events: Sequence[dict[str, Any]]) -> str:
 
 
 RATE_WINDOW_SECONDS = 60.0
-# The rate reads at most this many of the newest events, by id: a bounded range of the primary
-# key, so status stays fast on a queue with millions of events (wq_events has no index on time).
+# The rate reads at most this many of the newest events (of all queues), by id: a bounded range of
+# the primary key, so status stays fast on a queue with millions of events (wq_events has no index
+# on time).
 RATE_EVENT_SPAN = 20_000
 
 
@@ -259,9 +260,11 @@ def status(conn: Connection, d: Dialect, qid: int) -> Status:
         .where(t.c.queue_id == qid).group_by(t.c.epoch))}
     claimed: dict[int, int] = {}
     holding: dict[Optional[int], int] = {}
+    # Grouped by worker first: so SQLite's planner reads the partial index of claimed rows
+    # (queue_id, worker_id, ...), not every row of the queue through the unique index.
     for r in conn.execute(select(i.c.epoch, i.c.worker_id, func.count().label("n"))
                           .where(i.c.queue_id == qid, i.c.state == CLAIMED)
-                          .group_by(i.c.epoch, i.c.worker_id)):
+                          .group_by(i.c.worker_id, i.c.epoch)):
         claimed[r.epoch] = claimed.get(r.epoch, 0) + r.n
         holding[r.worker_id] = holding.get(r.worker_id, 0) + r.n
     by_worker = {r.worker_id: (int(r.done), int(r.failed)) for r in conn.execute(
@@ -279,29 +282,40 @@ class RecentDone:
     done: int
     by_worker: dict[Optional[int], int]
     rate: Optional[float]  # items per second; None with fewer than two (a rate needs two points)
+    # The seconds the counts cover: the window, or less when the newest RATE_EVENT_SPAN events
+    # all fall inside it (a fast job): ``by_worker[w] / seconds`` is then still a rate.
+    seconds: float = RATE_WINDOW_SECONDS
 
 
-def recent_done(conn: Connection, qid: int, now: dt.datetime) -> RecentDone:
-    """Items done in the ``RATE_WINDOW_SECONDS`` before ``now`` (from the newest ``done``
-    events). The rate spans the oldest of them to ``now``: ``(k - 1) / span`` for ``k`` items."""
+def recent_done(conn: Connection, qid: int, now: dt.datetime,
+                window: float = RATE_WINDOW_SECONDS) -> RecentDone:
+    """Items done in the ``window`` seconds before ``now`` (from the newest ``done`` events).
+    The rate spans the oldest of them to ``now``: ``(k - 1) / span`` for ``k`` items."""
     e = ops.events
-    newest = conn.execute(select(func.max(e.c.id)).where(e.c.queue_id == qid)).scalar_one_or_none()
+    newest = conn.execute(select(func.max(e.c.id))).scalar_one_or_none()
     if newest is None:
-        return RecentDone(0, {}, None)
-    since = now - dt.timedelta(seconds=RATE_WINDOW_SECONDS)
+        return RecentDone(0, {}, None, window)
+    since = now - dt.timedelta(seconds=window)
+    first = conn.execute(select(func.min(e.c.at)).where(e.c.id > newest - RATE_EVENT_SPAN,
+                                                        e.c.id <= newest - RATE_EVENT_SPAN + 1)).scalar()
+    if first is not None and first.tzinfo is None:
+        first = first.replace(tzinfo=dt.timezone.utc)
+    seconds = window if first is None or first <= since else max((now - first).total_seconds(), 1e-3)
+    # Both ends of the id range, and "queue_id + 0": SQLite's planner would otherwise scan the
+    # (queue_id, item_id) index, every event of the queue, instead of the primary key range.
     rows = conn.execute(
         select(e.c.worker_id, func.count(), func.min(e.c.at))
-        .where(e.c.id > newest - RATE_EVENT_SPAN, e.c.queue_id == qid, e.c.kind == EV_DONE,
-               e.c.at >= since).group_by(e.c.worker_id)).all()
+        .where(e.c.id > newest - RATE_EVENT_SPAN, e.c.id <= newest, e.c.queue_id + 0 == qid,
+               e.c.kind == EV_DONE, e.c.at >= since).group_by(e.c.worker_id)).all()
     by_worker = {r[0]: int(r[1]) for r in rows}
     k = sum(by_worker.values())
     if k < 2:
-        return RecentDone(k, by_worker, None)
+        return RecentDone(k, by_worker, None, seconds)
     oldest = min(r[2] for r in rows)
     if oldest.tzinfo is None:
         oldest = oldest.replace(tzinfo=dt.timezone.utc)
     span = max((now - oldest).total_seconds(), 1e-3)
-    return RecentDone(k, by_worker, (k - 1) / span)
+    return RecentDone(k, by_worker, (k - 1) / span, seconds)
 
 
 # ---------------------------------------------------------------- timeline

@@ -152,6 +152,21 @@ class Dialect:
         always do)."""
         return {} if self.is_sqlite else {"isolation_level": "REPEATABLE READ"}
 
+    def commit_horizon(self, conn: Connection) -> Optional[tuple[int, int]]:
+        """For readers that follow a table by its id (``watch.HistoryCounts``): ids are taken when
+        a row is inserted and become visible when its transaction commits, not in id order.
+
+        SQLite: None, ids are visible in order (one writer at a time, from ``BEGIN IMMEDIATE``
+        to its commit). Postgres: ``(xmin, xmax)`` of the caller's snapshot, as numbers: every
+        transaction that took an id at most the highest one this snapshot sees had its
+        transaction id below ``xmax`` (wq_sql writes an item row before the history rows of that
+        change), so once a later snapshot's ``xmin`` reaches it, those ids are all settled."""
+        if self.is_sqlite:
+            return None
+        row = conn.execute(text("SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint "
+                                "FROM pg_current_snapshot() AS s")).one()
+        return int(row[0]), int(row[1])
+
     # ------------------------------------------------------------------ offline DDL (upgrade --sql)
 
     def ddl_preamble(self, schema: Optional[str], new: bool) -> list[str]:
