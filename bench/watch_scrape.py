@@ -7,6 +7,7 @@ times the exporter's collector (``metrics.QueueCollector``, encoding included, a
 the first scrape (it reads the history once), then ``--scrapes`` more. The reference, in the
 same run: the naive way, counting the item rows by state and the history by kind (full scans).
 ``--drainers N`` runs N worker processes draining the queue meanwhile (scrapes under write load).
+Then the dashboard's two reads: ``/api/state`` and the timeline picture (``dashboard.Watcher``).
 
     python bench/watch_scrape.py --backend sqlite
     python bench/watch_scrape.py --backend postgresql --drainers 2
@@ -27,6 +28,7 @@ import sqlalchemy as sa
 from _common import PG_ADMIN, ROOT, machine, median, pct, scratch
 
 from wq_sql import WorkQueue, ops
+from wq_sql.dashboard import Watcher
 from wq_sql.engine import make_engine
 from wq_sql.metrics import QueueCollector
 from wq_sql.models import UTCDateTime
@@ -113,6 +115,15 @@ def run(backend: str, a: argparse.Namespace) -> dict[str, Any]:
                 body = generate_latest(registry)
                 times.append(time.perf_counter() - t0)
                 time.sleep(a.pause)
+            watcher = Watcher(engine, "bench", minutes=10)
+            states, svgs = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                assert watcher.state()["ok"]
+                states.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                assert watcher.timeline_svg("big")
+                svgs.append(time.perf_counter() - t0)
             refs = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -128,6 +139,8 @@ def run(backend: str, a: argparse.Namespace) -> dict[str, Any]:
            "first_scrape_s": round(first, 4), "scrape_median_s": round(median(times), 4),
            "scrape_p90_s": round(pct(times, 90), 4), "naive_count_median_s": round(median(refs), 4),
            "scrape_over_naive": round(median(times) / median(refs), 4), "bytes": len(body),
+           "dashboard_state_median_s": round(median(states), 4),
+           "dashboard_timeline_median_s": round(median(svgs), 4),
            "loadavg_after": [round(x, 2) for x in load]}
     print(json.dumps(out), flush=True)
     return out

@@ -95,7 +95,8 @@ class Watcher:
         queues = []
         for q in self._queues(conn):
             v = watch.read_queue(conn, d, q, window=self.window)
-            events = watch.recent_history(conn, q, now, self.minutes)
+            events = watch.recent_history(conn, q, now, self.minutes, kinds=watch.FAILURE_EVENTS,
+                                          in_flight=False)
             queues.append(_queue_json(v, watch.failures(events, MAX_FAILURES), self.window))
         return {"now": now.isoformat(), "queues": queues}
 

@@ -253,7 +253,7 @@ class Status:
     recent: RecentDone
 
 
-def status(conn: Connection, d: Dialect, qid: int) -> Status:
+def status(conn: Connection, d: Dialect, qid: int, window: float = RATE_WINDOW_SECONDS) -> Status:
     t, i, w = ops.tallies, ops.items, ops.workers
     per_epoch = {r.epoch: (int(r.done), int(r.failed)) for r in conn.execute(
         select(t.c.epoch, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"))
@@ -272,7 +272,7 @@ def status(conn: Connection, d: Dialect, qid: int) -> Status:
         .where(t.c.queue_id == qid).group_by(t.c.worker_id))}
     workers = list(conn.execute(select(w).where(w.c.queue_id == qid).order_by(w.c.name)).all())
     now = d.db_now(conn)
-    return Status(per_epoch, claimed, holding, by_worker, workers, now, recent_done(conn, qid, now))
+    return Status(per_epoch, claimed, holding, by_worker, workers, now, recent_done(conn, qid, now, window))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ WINDOW_SECONDS = report.RATE_WINDOW_SECONDS
 # process's delivery and starts the restarted one's, which is in flight or ends later).
 ENDING_KINDS = (EV_DONE, EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER)
 LEASE_EXPIRED = "lease expired"  # the detail of an expire row whose lease ran out (ops.expire)
+# The dashboard's history of the last minutes: the items among this many newest history rows
+# (the timeline picture draws up to about this many deliveries).
+HISTORY_SPAN = 2_000
 # HistoryCounts: a snapshot's ids are taken as settled after this long, whatever runs elsewhere.
 SETTLE_SECONDS = 120.0
 # Failure kinds: why a delivery ended with an attempt counted.
@@ -148,8 +151,8 @@ def epochs_of(conn: Connection, q: Any, st: report.Status) -> list[EpochView]:
 def read_queue(conn: Connection, d: Dialect, q: Any, *, window: float = WINDOW_SECONDS,
                history: Optional[dict[int, Counter[str]]] = None) -> QueueView:
     """One queue (a ``wq_queues`` row), in the caller's snapshot."""
-    st = report.status(conn, d, q.id)
-    recent = report.recent_done(conn, q.id, st.now, window=window)
+    st = report.status(conn, d, q.id, window)
+    recent = st.recent
     workers: list[WorkerView] = []
     judged: list[float] = []
     for r in st.workers:
@@ -290,19 +293,43 @@ class Failure:
     error: Optional[str]
 
 
-def recent_history(conn: Connection, q: Any, now: dt.datetime, minutes: float) -> list[report.Event]:
-    """The ``wq_history`` rows of the last ``minutes`` (one per claim and per transition)."""
+def recent_history(conn: Connection, q: Any, now: dt.datetime, minutes: float, *,
+                   kinds: tuple[str, ...] = ENDING_KINDS, in_flight: bool = True,
+                   span: int = HISTORY_SPAN) -> list[report.Event]:
+    """The ``wq_history`` rows of the last ``minutes`` (one per claim and per transition) of the
+    items that moved lately: those whose delivery ended (with one of ``kinds``) among the newest
+    ``span`` history rows (by primary key, ``claim`` rows never read) and, with ``in_flight``,
+    those claimed now. So the read is bounded on a queue of any size; a busy queue's picture
+    covers fewer minutes than asked."""
+    e, i = ops.events, ops.items
     since = now - dt.timedelta(minutes=minutes)
+    top = conn.execute(select(func.max(e.c.id))).scalar_one_or_none() or 0
+    # "queue_id + 0": the primary key range, not the (queue_id, item_id) index (see report.recent_done).
+    ids = {r[0] for r in conn.execute(
+        select(e.c.item_id).distinct().where(e.c.id > top - span, e.c.id <= top, e.c.queue_id + 0 == q.id,
+                                             e.c.kind.in_(kinds), e.c.at >= since))}
+    if in_flight:
+        ids |= {r[0] for r in conn.execute(select(i.c.id).where(i.c.queue_id == q.id, i.c.state == CLAIMED))}
     stmt = (text(f"SELECT event_id, item_id, epoch, seq, kind, worker, at, detail FROM {EVENTS_VIEW} "
-                 "WHERE queue = :q AND at >= :since ORDER BY event_id")
-            .bindparams(bindparam("since", type_=UTCDateTime())).columns(at=UTCDateTime()))
-    return [report.Event(int(r.event_id), int(r.item_id), int(r.epoch), int(r.seq), r.kind, r.worker, r.at,
-                         r.detail) for r in conn.execute(stmt, {"q": q.name, "since": since})]
+                 "WHERE queue = :q AND item_id IN :ids AND at >= :since")
+            .bindparams(bindparam("since", type_=UTCDateTime()), bindparam("ids", expanding=True))
+            .columns(at=UTCDateTime()))
+    out: list[report.Event] = []
+    ordered = sorted(ids)
+    for k in range(0, len(ordered), 500):
+        rows = conn.execute(stmt, {"q": q.name, "ids": ordered[k:k + 500], "since": since})
+        out += [report.Event(int(r.event_id), int(r.item_id), int(r.epoch), int(r.seq), r.kind, r.worker,
+                             r.at, r.detail) for r in rows]
+    out.sort(key=lambda ev: ev.id)
+    return out
+
+
+FAILURE_EVENTS = (EV_FAIL, EV_EXPIRE)
 
 
 def failures(events: list[report.Event], limit: int = 20) -> list[Failure]:
     """The newest failed attempts among ``events``, newest first."""
-    bad = [ev for ev in events if ev.kind in (EV_FAIL, EV_EXPIRE)]
+    bad = [ev for ev in events if ev.kind in FAILURE_EVENTS]
     return [Failure(ev.epoch, ev.seq, ev.kind, ev.worker, ev.at, ev.detail) for ev in reversed(bad[-limit:])]
 
 
