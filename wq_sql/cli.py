@@ -586,7 +586,8 @@ def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
     if stale:
         names = ", ".join(repr(r.name) for r in stale)
         out.append(f"STALE: {names} stopped heartbeating ({ops.STALE_BEATS} heartbeat periods missed); "
-                   "a live worker of the queue returns their items within about one heartbeat period, or now: "
+                   "a live worker of the queue returns their items within about one heartbeat period, "
+                   "or now: "
                    f"wq-sql requeue {shlex.quote(q.name)} --worker {shlex.quote(stale[0].name)}")
     if left:
         out.append(f"({left} {'more ' if live else ''}worker(s) closed cleanly)")

@@ -615,6 +615,20 @@ def cover(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequenc
     return {r.id for r in rows}
 
 
+def adopt(conn: Connection, b: Dialect, worker_id: int, holder: int, pairs: Sequence[tuple[int, int]],
+          lease_seconds: float) -> set[int]:
+    """Take over claimed items that ``holder`` handed to this worker's process, fenced by
+    ``(id, token)``: they stay claimed under the same token, now held (and renewed) by
+    ``worker_id`` until a checkpoint covers them. Rows already held by ``worker_id`` count as
+    accepted (a retry whose first commit went through). Returns the ids accepted."""
+    if not pairs:
+        return set()
+    rows = conn.execute(
+        update(items).where(_fenced(pairs), items.c.worker_id.in_([holder, worker_id]))
+        .values(worker_id=worker_id, lease_until=b.now_plus(lease_seconds)).returning(items.c.id)).all()
+    return {r.id for r in rows}
+
+
 def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: Optional[int]) -> int:
     """The worker restored its model from the checkpoint at ``step`` (``None``: from none): put
     every item a later checkpoint of this worker had covered back to ``pending`` (``requeue``

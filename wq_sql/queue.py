@@ -410,6 +410,12 @@ class WorkQueue:
         self._ensure_process()
         return self._endings.complete_handed(handed)
 
+    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
+        """Hold items other workers handed to this process (``{holder: items}``) under this worker until
+        :meth:`cover` or ``close()``; fenced by ``(id, token)``. Returns the items whose lease was lost."""
+        self._ensure_process()
+        return self._endings.adopt_handed(handed, self._opts.lease_seconds)
+
     # ------------------------------------------------------------------ progress and lifecycle
 
     def progress(self) -> Progress:
