@@ -59,7 +59,9 @@ does not cover::
     ...
         torch.save({"model": model.state_dict(), "loader": loader.state_dict()}, path)
 
-:class:`StatefulDataLoader` is the same over torchdata's ``StatefulDataLoader``.
+:class:`StatefulDataLoader` is the same over torchdata's ``StatefulDataLoader``. A restarted
+torchrun job (same ``TORCHELASTIC_RUN_ID``, a higher ``TORCHELASTIC_RESTART_COUNT``, any number of
+ranks) returns the previous incarnation's items to the queue as soon as its first process joins.
 """
 
 from typing import Any

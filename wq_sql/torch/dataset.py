@@ -26,6 +26,7 @@ from wq_sql.torch.handoff import (
     give_back_recovered,
     main_queue,
     rank_name,
+    torch_run,
 )
 
 log = logging.getLogger("wq_sql")
@@ -53,8 +54,11 @@ class QueuePasses:
         self.epochs = check_epochs(epochs)
         self.consumed = check_consumed(consumed)
         self.worker = rank_name(worker)
+        options = dict(options)
+        if "run" not in options and torch_run() is not None:
+            options["run"] = torch_run()
         self.config = QueueConfig(name, resolve_url(url).render_as_string(hide_password=False), schema,
-                                  lease_ahead, dict(options))
+                                  lease_ahead, options)
         create = None if works is None else dict(works=works, num_epochs=num_epochs, shuffle=shuffle,
                                                  seed=seed, prefix=prefix, num_slices=num_slices)
         # Created (or joined) here, in the main process, so that a configuration mismatch or an

@@ -93,6 +93,19 @@ def rank_name(worker: Optional[str] = None) -> str:
     return "/".join(parts) if parts else f"{socket.gethostname()}:{os.getpid()}"
 
 
+def torch_run() -> Optional[tuple[str, int]]:
+    """This process's job run, for ``WorkQueue(run=...)``: ``($TORCHELASTIC_RUN_ID,
+    $TORCHELASTIC_RESTART_COUNT)`` under torchrun (the restart count is 0 at first and grows each
+    time torchrun restarts every rank), else None. Workers of a later restart return the items of
+    the earlier restarts' workers at once, whatever their ranks (RANK is not stable across
+    restarts, and the world size may change)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    if not run_id or run_id == "none" or not restart.isdigit():
+        return None
+    return (run_id, int(restart))
+
+
 @dataclass(frozen=True)
 class Handed:
     """An item whose last record went into a batch: who claimed it (``holder``, a
