@@ -16,7 +16,7 @@ from torch_support import sql, write_files
 from torchdata.stateful_dataloader import StatefulDataLoader as TorchdataLoader
 
 from wq_sql import InvalidInput
-from wq_sql.torch import DataLoader, QueueDataset, StatefulDataLoader
+from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, StatefulDataLoader
 from wq_sql.torch.dataset import QueuePasses
 
 LINES = 5  # records per file (item)
@@ -174,3 +174,35 @@ def test_resume_state_and_bad_states(db_url: str, tmp_path: Path) -> None:
         resumed.load_state_dict({"step": 3})
     with pytest.raises(InvalidInput, match="belongs to queue 'other'"):
         resumed.load_state_dict({**state, "queue": "other"})
+
+
+class Indices(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("loader_class", [DataLoader, StatefulDataLoader])
+def test_sampler_ranges_are_done_only_when_a_checkpoint_covers_them(db_url: str, loader_class: Any) -> None:
+    sampler = QueueSampler(1000, num_slices=20, url=db_url, name="smp", worker="r", consumed="checkpoint")
+    loader = loader_class(Indices(), batch_size=16, sampler=sampler, num_workers=2)
+    batches = iter(loader)
+    trained: list[int] = []
+    for _ in range(10):
+        trained += next(batches).tolist()
+    assert sql(db_url, "SELECT count(*) FROM wq_audit WHERE queue = 'smp' AND state = 'done'") == [(0,)]
+    loader.state_dict()
+    first = set(trained)
+    trained += next(batches).tolist()
+    done = sql(db_url, "SELECT work FROM wq_audit WHERE queue = 'smp' AND state = 'done'")
+    ranges = [range(50 * k, 50 * k + 50) for k in range(20)]  # range:1000 cut into 20 items
+    whole = {k for k, r in enumerate(ranges) if set(r) <= first}
+    assert len(done) == len(whole) > 0
+    for batch in batches:
+        trained += batch.tolist()
+    assert sorted(trained) == list(range(1000))
+    loader.state_dict()
+    loader.checkpoint_saved()
+    assert sql(db_url, "SELECT count(*) FROM wq_audit WHERE queue = 'smp' AND state = 'done'") == [(20,)]
