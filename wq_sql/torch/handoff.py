@@ -341,10 +341,13 @@ class Acks:
         self.trained(last)
 
     def trained(self, handed: list[Handed]) -> None:
-        """The training step of the batch that carried these items is over."""
+        """The training step of the batch that carried these items is over. Checkpoint mode
+        takes them over only at save points and pass ends (or ``ACK_ITEMS`` at a time): until
+        then the loaders that read them hold and renew them, and a crash returns them the same."""
         if handed:
             self._due.extend(handed)
-        if self._due and (len(self._due) >= ACK_ITEMS or time.monotonic() - self._sent >= ACK_SECONDS):
+        if self._due and (len(self._due) >= ACK_ITEMS
+                          or (self.ledger is None and time.monotonic() - self._sent >= ACK_SECONDS)):
             self.flush()
 
     def flush(self) -> None:
