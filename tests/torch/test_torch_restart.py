@@ -32,10 +32,10 @@ def test_restarted_job_with_another_world_size_gets_the_old_items_at_once(db_url
     log = tmp_path / "log"
     # Heartbeats and leases far longer than the test: only the restart can bring the items back.
     job = {"url": db_url, "queue": "rerun", "files": files, "num_epochs": 1, "num_workers": 2,
-           "batch_size": 4, "lease_ahead": 4, "log": str(log),
+           "batch_size": 4, "lease_ahead": 4, "log": str(log), "start_line": True,  # both ranks read
            "options": {"heartbeat_seconds": 60, "lease_seconds": 300}}
     port = free_port()
-    ranks = [start_rank(job, r, 2, port, read_seconds=0.02, restart=0) for r in (0, 1)]
+    ranks = [start_rank(job, r, 2, port, read_seconds=0.05, restart=0) for r in (0, 1)]
     deadline = time.monotonic() + 120
     while min(len(read_log(Path(f"{log}.rank{r}"))) for r in (0, 1)) < 5:
         assert time.monotonic() < deadline, "the ranks did not get going"
@@ -51,7 +51,7 @@ def test_restarted_job_with_another_world_size_gets_the_old_items_at_once(db_url
     before = [read_log(Path(f"{log}.rank{r}")) for r in (0, 1)]
 
     started = time.monotonic()
-    new = start_rank({**job, "log": f"{log}.again"}, 0, 1, port, read_seconds=0.02, restart=1)
+    new = start_rank({**job, "log": f"{log}.again"}, 0, 1, port, read_seconds=0.05, restart=1)
     ids = [i for i, _ in held]
     while sql(db_url, "SELECT count(*) FROM wq_items i JOIN wq_workers w ON w.id = i.worker_id "
                       "WHERE i.state = 'claimed' AND w.run_restart = 0 AND i.id IN ("
