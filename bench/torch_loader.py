@@ -3,6 +3,7 @@
     .venv/bin/python bench/torch_loader.py throughput --backend sqlite          # 1,000 files x 100 records
     .venv/bin/python bench/torch_loader.py throughput --backend postgresql --lease-ahead 64 256
     .venv/bin/python bench/torch_loader.py throughput --persistent --epochs 5   # the steady state
+    .venv/bin/python bench/torch_loader.py throughput --consumed checkpoint    # with state_dict() saves
     .venv/bin/python bench/torch_loader.py long-tail --backend postgresql       # 4 ranks, one 4x slower
 
 ``throughput``: records/s of ``wq_sql.torch.DataLoader(QueueDataset(files, read=read_lines),
@@ -79,11 +80,22 @@ class StaticFiles(IterableDataset):  # type: ignore[type-arg]
             yield from read_lines(path)
 
 
-def timed_passes(loader: Any, epochs: int, expect: int) -> float:
+def timed_passes(loader: Any, epochs: int, expect: int, save_every: int = 0) -> float:
+    """Seconds for ``epochs`` passes; ``save_every``: take ``loader.state_dict()`` every that many
+    batches and at each pass end, confirmed at the end (consumed='checkpoint': the saves'
+    transactions are inside the time; writing a checkpoint file is not)."""
     t = time.perf_counter()
     for _ in range(epochs):
-        n = sum(len(batch) for batch in loader)
+        n = 0
+        for k, batch in enumerate(loader, 1):
+            n += len(batch)
+            if save_every and k % save_every == 0:
+                loader.state_dict()
         assert n == expect, (n, expect)
+        if save_every:
+            loader.state_dict()
+    if save_every:
+        loader.checkpoint_saved()
     return time.perf_counter() - t
 
 
@@ -96,7 +108,8 @@ def throughput(a: argparse.Namespace) -> None:
         workers["persistent_workers"] = True
     print(f"== throughput: {a.files} files x {a.lines} records, {a.epochs} epoch(s) per run, DataLoader("
           f"num_workers={a.workers}, batch_size={a.batch}{', persistent_workers=True' if a.persistent else ''}), "
-          f"{a.runs} runs per side, backend {a.backend}")
+          f"{a.runs} runs per side, backend {a.backend}, consumed={a.consumed!r}"
+          + (f" (state_dict() every {a.save_every} batches)" if a.consumed == "checkpoint" else ""))
     with scratch(a.backend, a.pg, "torch") as url:
         rows = []
         for la in a.lease_ahead:
@@ -106,8 +119,9 @@ def throughput(a: argparse.Namespace) -> None:
                 static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs, records))
                 name = f"tp_{uuid.uuid4().hex[:8]}"
                 ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
-                                  lease_ahead=la, worker="bench")
-                queue_s.append(timed_passes(DataLoader(ds, **workers), a.epochs, records))
+                                  lease_ahead=la, worker="bench", consumed=a.consumed)
+                save_every = a.save_every if a.consumed == "checkpoint" else 0
+                queue_s.append(timed_passes(DataLoader(ds, **workers), a.epochs, records, save_every))
                 ds.close()
                 wq_sql.drop_queue(name, url)
             ms, mq = statistics.median(static_s), statistics.median(queue_s)
@@ -230,6 +244,8 @@ def main() -> None:
     tp.add_argument("--batch", type=int, default=256)
     tp.add_argument("--lease-ahead", type=int, nargs="+", default=[64])
     tp.add_argument("--persistent", action="store_true")
+    tp.add_argument("--consumed", choices=["trained", "checkpoint"], default="trained")
+    tp.add_argument("--save-every", type=int, default=50, help="batches between state_dict() (checkpoint)")
     lt = sub.choices["long-tail"]
     lt.add_argument("--files", type=int, default=400)
     lt.add_argument("--ranks", type=int, default=4)

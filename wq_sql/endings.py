@@ -110,6 +110,29 @@ class Endings:
         with d.lock:
             return d.book.settle([i for items in handed.values() for i in items], accepted, d.rules.name)
 
+    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]], lease_seconds: float) -> list[WorkItem]:
+        """Hold, under this worker, items other workers (``{holder worker id: items}``) handed to
+        this process: they join this object's hand-outs (renewed by its heartbeat, covered by
+        :meth:`cover`, given back by ``close()``). Returns the items whose lease was lost."""
+        db, d = self.db, self.d
+        with d.lock:
+            d.check_usable()
+            wid = d.member.worker_id
+
+            def take(conn: Any) -> set[int]:
+                accepted: set[int] = set()
+                for holder, items in handed.items():
+                    keys = [i.key for i in items]
+                    accepted |= ops.adopt(conn, db.dialect, wid, holder, keys, lease_seconds)
+                return accepted
+
+            accepted = db.tx(take) if any(handed.values()) else set()
+            everything = [i for items in handed.values() for i in items]
+            for i in everything:
+                if i.item_id in accepted:
+                    d.book.out[i.item_id] = i
+            return d.book.settle(everything, accepted, d.rules.name)
+
     def leave(self, failed: Optional[BaseException]) -> None:
         """With the lock held, after ``Dispenser.close``: acknowledge what was handed out (given
         back instead when the consumer stopped early, failed when it raised ``failed``), give

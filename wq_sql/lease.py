@@ -50,6 +50,7 @@ class Terms:
     heartbeat_seconds: float
     max_item_seconds: Optional[float]
     max_attempts: int
+    run: Optional[tuple[str, int]] = None  # (job run id, restart count): see ops.supersede_run
 
     @property
     def dead_after(self) -> float:
@@ -64,16 +65,19 @@ def register(db: Db, qid: int, queue: str, worker: str, terms: Terms) -> tuple[M
     incarnation = uuid.uuid4().hex
     host, pid, start = hostname(), os.getpid(), process_start(os.getpid())
     deadline = time.monotonic() + terms.dead_after + terms.heartbeat_seconds
-    d = db.dialect
+    d, run = db.dialect, terms.run
 
     def attempt(c: Connection) -> tuple[str, Any]:
-        wid = ops.insert_worker(c, d, qid, worker, incarnation, host, pid, start, terms.heartbeat_seconds)
+        wid = ops.insert_worker(c, d, qid, worker, incarnation, host, pid, start, terms.heartbeat_seconds,
+                                run)
         if wid is not None:
-            return "ok", (wid, [])
+            return "ok", (wid, [], supersede(c, wid))
         row = ops.find_worker(c, qid, worker, lock=True)
         if row is None:
             raise QueueNotFound(f"queue {queue!r} was dropped while this worker joined it")
-        if row.heartbeat_at is not None:
+        # A process of an earlier restart of this job run is gone (the job restarted them all).
+        earlier = run is not None and row.run_id == run[0] and (row.run_restart or 0) < run[1]
+        if row.heartbeat_at is not None and not earlier:
             if row.host == host:
                 if process_alive(row.pid, row.proc_start):
                     return "live", row
@@ -81,8 +85,12 @@ def register(db: Db, qid: int, queue: str, worker: str, terms: Terms) -> tuple[M
                 age = ops.heartbeat_age(c, d, row.id)
                 if age is not None and age < terms.dead_after:
                     return "wait", row
-        ops.take_over_worker(c, d, row.id, incarnation, host, pid, start, terms.heartbeat_seconds)
-        return "ok", (row.id, ops.recover(c, d, qid, row.id, terms.lease_seconds, terms.max_attempts))
+        ops.take_over_worker(c, d, row.id, incarnation, host, pid, start, terms.heartbeat_seconds, run)
+        recovered = ops.recover(c, d, qid, row.id, terms.lease_seconds, terms.max_attempts)
+        return "ok", (row.id, recovered, supersede(c, row.id))
+
+    def supersede(c: Connection, wid: int) -> tuple[list[str], int]:
+        return ([], 0) if run is None else ops.supersede_run(c, d, qid, wid, run, terms.max_attempts)
 
     while True:
         status, value = db.tx(attempt)
@@ -95,7 +103,12 @@ def register(db: Db, qid: int, queue: str, worker: str, terms: Terms) -> tuple[M
             f"worker {worker!r} of queue {queue!r} is already held by a live process "
             f"(pid {value.pid} on {value.host}); give each process its own worker= "
             "(or $WQ_SQL_WORKER), or stop the other one first")
-    worker_id, recovered = value
+    worker_id, recovered, (superseded, returned) = value
+    if superseded or returned:
+        assert run is not None
+        log.warning("queue %r: worker %r is of restart %d of job run %r: %d item(s) of its earlier "
+                    "restarts' workers (%s) went back to the queue", queue, worker, run[1], run[0],
+                    returned, ", ".join(map(repr, superseded)) or "closed ones")
     if recovered:
         log.warning("worker %r recovered %d item(s) its previous process held", worker, len(recovered))
     return Member(worker_id, incarnation), recovered

@@ -1,16 +1,22 @@
 """Which handed-out items a model checkpoint covers: the book a framework shim keeps when items
 become done only when a checkpoint that covers them is saved (``consumed="checkpoint"`` in
-``wq_sql.tf``; the PyTorch shim keeps the same). Framework-free; the shim brackets each save
-with :meth:`Ledger.mark` and passes what :meth:`Ledger.covered` returns to
-``WorkQueue.cover``."""
+``wq_sql.tf`` and ``wq_sql.torch``). Framework-free; the shim brackets each save with
+:meth:`Ledger.mark`, and :meth:`Ledger.cover` marks done in the queue what the save covers."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 from wq_sql.holdings import WorkItem
+
+
+class Covering(Protocol):
+    """What :meth:`Ledger.cover` needs of the queue: ``WorkQueue.cover``."""
+
+    def cover(self, items: Sequence[WorkItem], step: int, ambiguous: int = 0) -> list[WorkItem]: ...
 
 
 @dataclass(frozen=True)
@@ -76,3 +82,13 @@ class Ledger:
         gone = {id(i) for i in items}
         with self._lock:
             self._held = [h for h in self._held if id(h[2]) not in gone]
+
+    def cover(self, queue: Covering, step: int, before: Mark, after: Mark,
+              read_ahead: int) -> tuple[int, int]:
+        """The checkpoint at ``step`` was saved: mark done in ``queue`` what it covers
+        (:meth:`covered`), stamped with ``step``, and forget it. Returns (items made done,
+        ambiguous hand-outs)."""
+        covered, ambiguous = self.covered(before, after, read_ahead)
+        lost = queue.cover(covered, step, ambiguous)
+        self.forget(covered)
+        return len(covered) - len(lost), ambiguous

@@ -119,6 +119,10 @@ class Worker(Base):
     beat_seconds: Mapped[Optional[float]] = mapped_column(Float)
     # Items it has claimed but not yet handed to its consumer, as of its last heartbeat.
     buffered: Mapped[Optional[int]] = mapped_column(Integer)
+    # The job run it belongs to (torchrun's TORCHELASTIC_RUN_ID) and that run's restart count:
+    # a worker of a later restart of the run returns this one's items at once.
+    run_id: Mapped[Optional[str]] = mapped_column(String(200))
+    run_restart: Mapped[Optional[int]] = mapped_column(Integer)
 
 
 class Item(Base):

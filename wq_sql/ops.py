@@ -433,20 +433,51 @@ def heartbeat_age(conn: Connection, b: Dialect, worker_id: int) -> Optional[floa
 
 
 def insert_worker(conn: Connection, b: Dialect, qid: int, name: str, incarnation: str, host: str,
-                  pid: int, proc_start: Optional[int], beat_seconds: float) -> Optional[int]:
+                  pid: int, proc_start: Optional[int], beat_seconds: float,
+                  run: Optional[tuple[str, int]] = None) -> Optional[int]:
+    run_id, restart = run or (None, None)
     return conn.execute(
         b.insert(workers).values(queue_id=qid, name=name, incarnation=incarnation, host=host, pid=pid,
                                  proc_start=proc_start, started_at=b.now(), heartbeat_at=b.now(),
-                                 beat_seconds=beat_seconds)
+                                 beat_seconds=beat_seconds, run_id=run_id, run_restart=restart)
         .on_conflict_do_nothing(index_elements=["queue_id", "name"]).returning(workers.c.id)
     ).scalar_one_or_none()
 
 
 def take_over_worker(conn: Connection, b: Dialect, worker_id: int, incarnation: str, host: str,
-                     pid: int, proc_start: Optional[int], beat_seconds: float) -> None:
+                     pid: int, proc_start: Optional[int], beat_seconds: float,
+                     run: Optional[tuple[str, int]] = None) -> None:
+    run_id, restart = run or (None, None)
     conn.execute(update(workers).where(workers.c.id == worker_id).values(
         incarnation=incarnation, host=host, pid=pid, proc_start=proc_start,
-        started_at=b.now(), heartbeat_at=b.now(), beat_seconds=beat_seconds))
+        started_at=b.now(), heartbeat_at=b.now(), beat_seconds=beat_seconds, run_id=run_id,
+        run_restart=restart))
+
+
+def supersede_run(conn: Connection, b: Dialect, qid: int, me: int, run: tuple[str, int],
+                  max_attempts: int) -> tuple[list[str], int]:
+    """Worker ``me`` belongs to restart ``run[1]`` of job run ``run[0]``: every worker of an
+    earlier restart of that run is gone (the job restarted all of its processes), so its items go
+    back to the queue now (an attempt each, ``expire`` events saying why) and its row is closed,
+    under a new incarnation that fences off any process of it still running. Returns the
+    names of the workers superseded and how many items went back."""
+    run_id, restart = run
+    # Closed rows too: a worker that left may still hold items it handed to another process.
+    # SKIP LOCKED: a row another transaction holds is being taken over by a process of the new
+    # restart (which recovers its items) or superseded by one; waiting for it could deadlock
+    # two workers that register at once, each holding its own row.
+    old = conn.execute(select(workers.c.id, workers.c.name, workers.c.heartbeat_at).where(
+        workers.c.queue_id == qid, workers.c.run_id == run_id, workers.c.run_restart < restart,
+        workers.c.id != me).with_for_update(skip_locked=True)).all()
+    if not old:
+        return [], 0
+    why = f"job run {run_id!r} restarted (restart {restart}): its earlier processes are gone"
+    n = _give_back(conn, b, qid, [items.c.worker_id.in_([r.id for r in old])], max_attempts, why)
+    live = [r.id for r in old if r.heartbeat_at is not None]
+    if live:
+        conn.execute(update(workers).where(workers.c.id.in_(live))
+                     .values(heartbeat_at=None, incarnation=secrets.token_hex(16)))
+    return [r.name for r in old if r.heartbeat_at is not None], n
 
 
 def close_worker(conn: Connection, worker_id: int, incarnation: str) -> None:
@@ -612,6 +643,20 @@ def cover(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequenc
         _tally(conn, b, qid, rows, "n_done", worker_id)
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_SAVE, step=step,
                                             items=len(rows), ambiguous=ambiguous, at=b.now()))
+    return {r.id for r in rows}
+
+
+def adopt(conn: Connection, b: Dialect, worker_id: int, holder: int, pairs: Sequence[tuple[int, int]],
+          lease_seconds: float) -> set[int]:
+    """Take over claimed items that ``holder`` handed to this worker's process, fenced by
+    ``(id, token)``: they stay claimed under the same token, now held (and renewed) by
+    ``worker_id`` until a checkpoint covers them. Rows already held by ``worker_id`` count as
+    accepted (a retry whose first commit went through). Returns the ids accepted."""
+    if not pairs:
+        return set()
+    rows = conn.execute(
+        update(items).where(_fenced(pairs), items.c.worker_id.in_([holder, worker_id]))
+        .values(worker_id=worker_id, lease_until=b.now_plus(lease_seconds)).returning(items.c.id)).all()
     return {r.id for r in rows}
 
 

@@ -302,11 +302,13 @@ class Options:
     busy_timeout: float
     schema: Optional[str]
     claim_ahead: bool
+    run: Optional[tuple[str, int]] = None
 
 
 def check_options(lease_seconds: float, lease_ahead: int, max_attempts: Optional[int], auto_complete: bool,
                   max_item_seconds: Optional[float], heartbeat_seconds: Optional[float], poll_seconds: float,
-                  busy_timeout: float, schema: Optional[str], claim_ahead: bool) -> Options:
+                  busy_timeout: float, schema: Optional[str], claim_ahead: bool,
+                  run: Optional[tuple[str, int]] = None) -> Options:
     check_seconds("lease_seconds", lease_seconds)
     check_positive("busy_timeout", busy_timeout)
     check_positive("poll_seconds", poll_seconds)
@@ -320,8 +322,22 @@ def check_options(lease_seconds: float, lease_ahead: int, max_attempts: Optional
     if beat * 2 > lease_seconds:
         raise InvalidInput("heartbeat_seconds must be at most half of lease_seconds, or leases "
                            "of live workers would expire between two heartbeats")
+    if run is not None:
+        run = check_run(run)
     return Options(float(lease_seconds), lease_ahead, max_attempts, bool(auto_complete), max_item_seconds,
-                   beat, float(poll_seconds), float(busy_timeout), schema, bool(claim_ahead))
+                   beat, float(poll_seconds), float(busy_timeout), schema, bool(claim_ahead), run)
+
+
+def check_run(run: object) -> tuple[str, int]:
+    """``run=(run id, restart count)``: the job run a worker belongs to (torchrun's
+    ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``)."""
+    if (not isinstance(run, (tuple, list)) or len(run) != 2 or not isinstance(run[0], str)
+            or not 1 <= len(run[0]) <= 200 or isinstance(run[1], bool) or not isinstance(run[1], int)
+            or not 0 <= run[1] <= 2**31 - 1):
+        raise InvalidInput(f"run must be (run id: a str of 1 to 200 characters, restart count: an int "
+                           f">= 0), e.g. (os.environ['TORCHELASTIC_RUN_ID'], "
+                           f"int(os.environ['TORCHELASTIC_RESTART_COUNT'])); got {run!r}")
+    return (run[0], int(run[1]))
 
 
 T = TypeVar("T")

@@ -114,6 +114,9 @@ class WorkQueue:
     - ``claim_ahead=False``: claim the next item in a background thread shortly before this
       worker is expected to take it (by its own pace), so ``take()`` rarely waits for the
       database (see :mod:`wq_sql.pacer`).
+    - ``run=(run_id, restart)``: the job run this worker belongs to and its restart count; a worker
+      of a later restart returns the earlier restarts' items at once (``wq_sql.torch`` passes
+      torchrun's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``).
 
     Events go to the ``wq_sql`` logger: WARNING for what needs attention (a lost database
     connection, recovered items), INFO for routine ones (a queue created, expired leases).
@@ -127,14 +130,15 @@ class WorkQueue:
                  auto_complete: bool = True, max_item_seconds: Optional[float] = None,
                  heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
                  busy_timeout: float = 30.0, schema: Optional[str] = None,
-                 engine: Optional[Engine] = None, claim_ahead: bool = False) -> None:
+                 engine: Optional[Engine] = None, claim_ahead: bool = False,
+                 run: Optional[tuple[str, int]] = None) -> None:
         self.name = check_name(name)
         spec = None if works is None else QueueSpec(
             normalize_works(works), check_num_epochs(num_epochs), bool(shuffle), check_seed(seed),
             check_num_slices(num_slices), check_prefix(prefix))
         self._opts = o = check_options(lease_seconds, lease_ahead, max_attempts, auto_complete,
                                        max_item_seconds, heartbeat_seconds, poll_seconds, busy_timeout,
-                                       schema, claim_ahead)
+                                       schema, claim_ahead, run)
         self._worker_given = worker is not None
         self.worker = check_worker_name(worker if worker is not None else default_worker_name())
         url_ = resolve_url(url) if engine is None else engine.url
@@ -225,7 +229,7 @@ class WorkQueue:
 
     def _terms(self) -> Terms:
         o = self._opts
-        return Terms(o.lease_seconds, o.heartbeat_seconds, o.max_item_seconds, self._row.max_attempts)
+        return Terms(o.lease_seconds, o.heartbeat_seconds, o.max_item_seconds, self._row.max_attempts, o.run)
 
     def _start(self, recovered: list[ops.Claimed]) -> None:
         """After registering: the items a dead predecessor held go first, and the heartbeat runs."""
@@ -409,6 +413,12 @@ class WorkQueue:
         items whose lease was lost (another worker holds or finished them), logged, not raised."""
         self._ensure_process()
         return self._endings.complete_handed(handed)
+
+    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
+        """Hold items other workers handed to this process (``{holder: items}``) under this worker until
+        :meth:`cover` or ``close()``; fenced by ``(id, token)``. Returns the items whose lease was lost."""
+        self._ensure_process()
+        return self._endings.adopt_handed(handed, self._opts.lease_seconds)
 
     # ------------------------------------------------------------------ progress and lifecycle
 

@@ -457,14 +457,12 @@ class WorkQueue:
         Returns how many items were made done."""
         self._need_checkpoint_mode()
         after = _after or self.ledger.mark()
-        covered, ambiguous = self.ledger.covered(before, after, 0 if data_ended else read_ahead)
-        lost = self.queue.cover(covered, step, ambiguous)
-        self.ledger.forget(covered)
+        done, ambiguous = self.ledger.cover(self.queue, step, before, after, 0 if data_ended else read_ahead)
         if ambiguous:
             log.info("queue %r: %d item(s) were handed out while checkpoint %d was being saved; they "
                      "count as not covered (re-delivered if this checkpoint is restored)",
                      self.name, ambiguous, step)
-        return len(covered) - len(lost)
+        return done
 
     def restore(self, step: Optional[int]) -> int:
         """The model was restored from this worker's checkpoint at global ``step`` (``None``: the

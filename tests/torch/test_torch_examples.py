@@ -43,3 +43,26 @@ def test_torch_long_tail(backend: str, db_url: str, tmp_path: Path) -> None:
         assert_left_nothing(db_url, tables)
     else:
         assert list(tmp.rglob("wq.db")), "the example's default: a SQLite file in a temp dir"
+
+
+def test_torch_checkpoint_resume(backend: str, db_url: str, tmp_path: Path) -> None:
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    env = {**ENV, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    if backend == "postgresql":
+        env["WQ_SQL_URL"] = user_url(db_url)
+        tables = tables_in(db_url)
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_checkpoint_resume.py")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert p.returncode == 0, f"failed:\n{p.stdout}\n{p.stderr[-5000:]}"
+    out = p.stdout.splitlines()
+    assert out[:4] == ["first run: killed by SIGKILL at step 13: True",
+                       "second run: restored the checkpoint of step 10",
+                       "records: 120, every record trained at least once: True"] + out[3:4], out
+    assert re.fullmatch(r"items whose records the model saw twice: [012], at most one per DataLoader "
+                        r"worker: True", out[3]), out
+    assert out[4:] == ["items done: 12 of 12"], out
+    assert not list(cwd.iterdir()), "the example keeps its files in a temp dir"
+    if backend == "postgresql":
+        assert_left_nothing(db_url, tables)

@@ -45,12 +45,38 @@ inside DDP's ``join()`` context, which shadows the collectives of ranks that ran
 training step was not over (at least once; after the step, the acknowledgement may lag up to
 0.2 s), to the restarted identity first. ``consumed="taken"`` is DeepRec's rule inside the loader,
 for loaders other than :class:`DataLoader`; a crash then loses what the loader had read ahead.
-Checkpoint-consistent consumption (done when a model checkpoint covers an item) is not here yet.
+
+**Checkpoint-consistent resume.** With ``consumed="checkpoint"`` an item is done only once a
+checkpoint holding the loader's ``state_dict()`` covers it (every batch yielded before the state
+was taken); ``load_state_dict()`` resumes, and restoring an older checkpoint re-opens what it
+does not cover::
+
+    ds = QueueDataset(files, num_epochs=3, url=..., read=read_records, consumed="checkpoint")
+    loader = DataLoader(ds, batch_size=64, num_workers=2)
+    if os.path.exists(path):                                      # resume
+        ckpt = torch.load(path)
+        model.load_state_dict(ckpt["model"]); loader.load_state_dict(ckpt["loader"])
+    ...
+        torch.save({"model": model.state_dict(), "loader": loader.state_dict()}, path)
+
+:class:`StatefulDataLoader` is the same over torchdata's ``StatefulDataLoader``. A restarted
+torchrun job (same ``TORCHELASTIC_RUN_ID``, a higher ``TORCHELASTIC_RESTART_COUNT``, any number of
+ranks) returns the previous incarnation's items to the queue as soon as its first process joins.
 """
+
+from typing import Any
 
 from wq_sql.torch.dataset import QueueDataset
 from wq_sql.torch.handoff import rank_name
 from wq_sql.torch.loader import DataLoader
 from wq_sql.torch.sampler import QueueSampler
 
-__all__ = ["QueueDataset", "QueueSampler", "DataLoader", "rank_name"]
+__all__ = ["QueueDataset", "QueueSampler", "DataLoader", "StatefulDataLoader", "rank_name"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StatefulDataLoader":  # imports torchdata, only when asked for
+        from wq_sql.torch.stateful import StatefulDataLoader
+
+        return StatefulDataLoader
+    raise AttributeError(f"module 'wq_sql.torch' has no attribute {name!r}")

@@ -23,8 +23,10 @@ from wq_sql.torch.handoff import (
     check_consumed,
     check_epochs,
     close_main_queue,
+    give_back_recovered,
     main_queue,
     rank_name,
+    torch_run,
 )
 
 log = logging.getLogger("wq_sql")
@@ -47,17 +49,23 @@ class QueuePasses:
             raise InvalidInput("wq_sql.torch opens the queue in every DataLoader worker process, which "
                                "cannot share an engine: pass url= (and schema=)")
         if "auto_complete" in options:
-            raise InvalidInput("wq_sql.torch decides when items are done: use consumed='trained' or 'taken'")
+            raise InvalidInput("wq_sql.torch decides when items are done: use consumed='trained', "
+                               "'checkpoint' or 'taken'")
         self.epochs = check_epochs(epochs)
         self.consumed = check_consumed(consumed)
         self.worker = rank_name(worker)
+        options = dict(options)
+        if "run" not in options and torch_run() is not None:
+            options["run"] = torch_run()
         self.config = QueueConfig(name, resolve_url(url).render_as_string(hide_password=False), schema,
-                                  lease_ahead, dict(options))
+                                  lease_ahead, options)
         create = None if works is None else dict(works=works, num_epochs=num_epochs, shuffle=shuffle,
                                                  seed=seed, prefix=prefix, num_slices=num_slices)
         # Created (or joined) here, in the main process, so that a configuration mismatch or an
         # unreachable database is raised where the dataset is made; the trainer side uses it.
         q = main_queue(self.config, self.worker, create)
+        if self.consumed != "checkpoint":  # else the DataLoader's load_state_dict or first pass
+            give_back_recovered(q)
         self.num_epochs = q.num_epochs
         self.items_per_epoch = q.items_per_epoch
         # [epoch of the next pass, whether set_epoch() said so], shared with DataLoader workers
@@ -89,6 +97,20 @@ class QueuePasses:
         self._epoch[1] = 0
         return int(self._epoch[0])
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass running or last run (-1 before the first)."""
+        return int(self._epoch[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """For torchdata's ``StatefulDataLoader``, which asks a dataset (or sampler) for its state
+        instead of replaying its batches on resume (which would claim and drop items): the
+        queue holds the state; the loader's own ``state_dict`` is the one to save."""
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`state_dict`: nothing to restore here (the loader's ``load_state_dict`` does)."""
+
     def _epoch_limit(self) -> Optional[int]:
         if self.epochs == "all":
             return None
@@ -97,9 +119,9 @@ class QueuePasses:
 
     def start_pass(self, role: str) -> Loader:
         """Begin a pass in this process, whose loader is ``<rank>/<role>``."""
-        if self.consumed == "trained" and not self._trainer_acks:
+        if self.consumed != "taken" and not self._trainer_acks:
             raise InvalidInput(
-                f"{type(self).__name__} with consumed='trained' (the default) needs wq_sql.torch.DataLoader, "
+                f"{type(self).__name__} with consumed={self.consumed!r} needs wq_sql.torch.DataLoader, "
                 "which tells the queue what the training loop consumed; with another loader, pass "
                 "consumed='taken' (DeepRec's rule: an item is done when the loader takes the next one, "
                 "so a crash loses what the loader read ahead)")
@@ -179,8 +201,10 @@ class QueueDataset(QueuePasses, IterableDataset):
       whatever is left); ``"all"``: DeepRec's one pass over every epoch.
     - ``consumed``: ``"trained"`` (default): an item is done once the training step that used its
       last record is over, which :class:`~wq_sql.torch.DataLoader` reports from the main
-      process; ``"taken"``: DeepRec's rule inside the loader (done when the loader takes the next
-      item), for other loaders, at the price of losing what the loader read ahead in a crash.
+      process; ``"checkpoint"``: once a checkpoint holding the DataLoader's ``state_dict()``
+      covers it (see :meth:`wq_sql.torch.DataLoader.state_dict`); ``"taken"``: DeepRec's rule
+      inside the loader (done when the loader takes the next item), for other loaders, at the
+      price of losing what the loader read ahead in a crash.
     - ``worker``: this rank's identity; default from ``$WQ_SQL_WORKER``,
       ``$TORCHELASTIC_RUN_ID`` and ``$RANK`` (see :func:`wq_sql.torch.rank_name`). DataLoader
       worker ``k`` is ``<worker>/loader<k>``, so a restarted rank gets its items back first.

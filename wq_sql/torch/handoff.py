@@ -19,8 +19,16 @@ completed (:meth:`Loader.drain` looks every ``PRUNE_SECONDS``), and of the rest 
 ends (``WorkQueue.hand_off``). A crash re-delivers what was not acknowledged: to the restarted
 process of the same identity first, else once its worker is known to be gone or its lease ran out.
 
-Checkpoint-consistent consumption (items done when a checkpoint covers them) is to be added here:
-:meth:`Acks.trained` is the one place where the trainer says what it consumed.
+**Checkpoint-consistent consumption** (``consumed="checkpoint"``): the trainer side does not mark
+trained items done but takes them over (``WorkQueue.adopt_handed``: still claimed, same token,
+now held and renewed by the rank's own identity) into a :class:`~wq_sql.ledger.Ledger`, the
+core's book of what a checkpoint covers (the TF shim keeps the same). ``DataLoader.state_dict()``
+takes a save point (:meth:`Acks.save_point`: every batch yielded so far counts as trained, as
+torchdata's ``StatefulDataLoader`` state says); once the checkpoint holding that state is saved
+(:meth:`Acks.saved`: the loop asks for the next batch, a new pass begins, ``checkpoint_saved()``,
+or the process exits normally) its items become done, stamped with the loader's step
+(``WorkQueue.cover``). ``load_state_dict`` gives back what the rank held uncovered and re-opens
+what later checkpoints of the rank had covered (:meth:`Acks.restore`, ``WorkQueue.reopen_after``).
 """
 
 from __future__ import annotations
@@ -30,13 +38,16 @@ import logging
 import multiprocessing.util
 import os
 import socket
+import sys
 import time
 import weakref
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from wq_sql.errors import InvalidInput, QueueEmpty, QueueExhausted
+from wq_sql.ledger import Ledger, Mark
 from wq_sql.queue import WorkItem, WorkQueue
 
 log = logging.getLogger("wq_sql")
@@ -80,6 +91,19 @@ def rank_name(worker: Optional[str] = None) -> str:
     if rank:
         parts.append(f"rank{rank}")
     return "/".join(parts) if parts else f"{socket.gethostname()}:{os.getpid()}"
+
+
+def torch_run() -> Optional[tuple[str, int]]:
+    """This process's job run, for ``WorkQueue(run=...)``: ``($TORCHELASTIC_RUN_ID,
+    $TORCHELASTIC_RESTART_COUNT)`` under torchrun (the restart count is 0 at first and grows each
+    time torchrun restarts every rank), else None. Workers of a later restart return the items of
+    the earlier restarts' workers at once, whatever their ranks (RANK is not stable across
+    restarts, and the world size may change)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    if not run_id or run_id == "none" or not restart.isdigit():
+        return None
+    return (run_id, int(restart))
 
 
 @dataclass(frozen=True)
@@ -295,23 +319,39 @@ def _at_exit() -> None:
 
 
 class Acks:
-    """The trainer side (see the module docstring): one per DataLoader, in the main process."""
+    """The trainer side (see the module docstring): one per DataLoader, in the main process.
+    ``checkpoint``: trained items are held until a checkpoint covers them, not marked done."""
 
-    def __init__(self, queue: WorkQueue) -> None:
+    def __init__(self, queue: WorkQueue, checkpoint: bool = False) -> None:
         self.queue = queue
+        # One ledger per trainer-side queue object: what the rank identity holds, whichever of
+        # this process's DataLoaders trained it (a restore gives all of it back).
+        self.ledger: Optional[Ledger] = _ledgers.setdefault(queue, Ledger()) if checkpoint else None
+        self.current: list[Handed] = []  # the batch yielded last: its training step is not over
+        self.saving: Optional[tuple[int, Mark]] = None  # a save point whose checkpoint is being saved
         self._due: list[Handed] = []
         self._sent = time.monotonic()
         self.acknowledged = 0
+        if checkpoint:
+            _at_exit_saved()
+
+    def yielded(self, handed: list[Handed]) -> None:
+        """A new batch is handed to the training loop: the step of the one before is over."""
+        last, self.current = self.current, handed
+        self.trained(last)
 
     def trained(self, handed: list[Handed]) -> None:
-        """The training step of the batch that carried these items is over."""
+        """The training step of the batch that carried these items is over. Checkpoint mode
+        takes them over only at save points and pass ends (or ``ACK_ITEMS`` at a time): until
+        then the loaders that read them hold and renew them, and a crash returns them the same."""
         if handed:
             self._due.extend(handed)
-        if self._due and (len(self._due) >= ACK_ITEMS or time.monotonic() - self._sent >= ACK_SECONDS):
+        if self._due and (len(self._due) >= ACK_ITEMS
+                          or (self.ledger is None and time.monotonic() - self._sent >= ACK_SECONDS)):
             self.flush()
 
     def flush(self) -> None:
-        """Mark done now what the trainer consumed."""
+        """Mark done now what the trainer consumed (checkpoint mode: hold it, for the ledger)."""
         self._sent = time.monotonic()
         if not self._due:
             return
@@ -319,8 +359,98 @@ class Acks:
         by_holder: dict[int, list[WorkItem]] = defaultdict(list)
         for h in due:
             by_holder[h.holder].append(h.item)
-        lost = self.queue.complete_handed(by_holder)
+        if self.ledger is None:
+            lost = self.queue.complete_handed(by_holder)
+        else:
+            lost = self.queue.adopt_handed(by_holder)
+            gone = {id(i) for i in lost}
+            self.ledger.finish(self.ledger.start(), [h.item for h in due if id(h.item) not in gone])
         self.acknowledged += len(due) - len(lost)
+
+    def save_point(self, step: int) -> list[int]:
+        """``state_dict()`` at ``step``: every batch yielded so far is trained; what it carried is
+        covered once :meth:`saved` says the checkpoint holding the state was saved. Returns the
+        ids of the items the save covers (the state keeps them: see :meth:`restore`)."""
+        assert self.ledger is not None
+        self.trained(self.current)
+        self.current = []
+        self.flush()
+        mark = self.ledger.mark()
+        self.saving = (step, mark)
+        _save_points.add(self)  # held until saved, even if the DataLoader is dropped first
+        return sorted(i.item_id for i in self.ledger.covered(mark, mark, 0)[0])
+
+    def saved(self) -> int:
+        """The checkpoint of the last save point was saved: its items are done. Returns how many."""
+        if self.saving is None or self.ledger is None:
+            return 0
+        (step, mark), self.saving = self.saving, None
+        _save_points.discard(self)
+        done, _ = self.ledger.cover(self.queue, step, mark, mark, 0)
+        return done
+
+    def restore(self, step: Optional[int], saved: Sequence[int]) -> int:
+        """The model was restored from the checkpoint at ``step``, whose state says it covers the
+        items ``saved`` (ids): those of them this rank still holds (the process crashed before it
+        learnt the checkpoint was saved, or this one restores it) become done now; the rest it
+        holds (trained since, or recovered from a crashed predecessor) go back to the queue, and
+        so do the items its later checkpoints had covered. Returns how many items went back."""
+        assert self.ledger is not None
+        self.saving = None
+        _save_points.discard(self)
+        self.trained(self.current)
+        self.current = []
+        self.flush()
+        n = self.queue.reopen_after(step)
+        mark = self.ledger.mark()
+        held, _ = self.ledger.covered(mark, mark, 0)
+        self.ledger.forget(held)
+        while self.queue.buffered:  # recovered from a crashed predecessor of this identity
+            held += self.queue.take_many(self.queue.buffered, timeout=0)
+        covers = set(saved)
+        if step is not None and any(i.item_id in covers for i in held):
+            self.queue.cover([i for i in held if i.item_id in covers], step)
+        for item in held:
+            if item.item_id not in covers or step is None:
+                self.queue.release(item)
+                n += 1
+        return n
+
+
+_ledgers: weakref.WeakKeyDictionary[WorkQueue, Ledger] = weakref.WeakKeyDictionary()
+_save_points: set[Acks] = set()  # those with a save point whose checkpoint is being saved
+_saved_hooked: set[int] = set()
+
+
+def _saved_at_exit() -> None:
+    """A normal exit after ``state_dict()``: the checkpoint it went into was saved (an
+    unhandled exception, which may have interrupted the save, leaves ``sys.last_value``)."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    for acks in list(_save_points):
+        try:
+            acks.saved()
+        except Exception as e:  # the database is away: the items stay held, then go back
+            log.warning("queue %r: could not mark the last checkpoint's items done: %s", acks.queue.name, e)
+
+
+def _at_exit_saved() -> None:
+    """Once per process, after wq_sql's own exit hook was registered (so it runs before the
+    queue objects close and give back what they hold)."""
+    if os.getpid() not in _saved_hooked:
+        _saved_hooked.add(os.getpid())
+        atexit.register(_saved_at_exit)
+
+
+def give_back_recovered(queue: WorkQueue) -> int:
+    """Release what ``queue`` (a rank's trainer side, which never takes items) took back at start
+    from a crashed predecessor of its identity: trained, not covered by a checkpoint."""
+    n = 0
+    while queue.buffered:
+        for item in queue.take_many(queue.buffered, timeout=0):
+            queue.release(item)
+            n += 1
+    return n
 
 
 _mains: dict[tuple[int, tuple[str, str, Optional[str]], str], WorkQueue] = {}
@@ -357,8 +487,10 @@ def check_epochs(epochs: str) -> str:
 
 
 def check_consumed(consumed: str) -> str:
-    if consumed not in ("trained", "taken"):
+    if consumed not in ("trained", "checkpoint", "taken"):
         raise InvalidInput(f"consumed must be 'trained' (done when the training step that used its last "
-                           f"record is over; needs wq_sql.torch.DataLoader) or 'taken' (DeepRec: done when "
-                           f"the loader takes the next item), got {consumed!r}")
+                           f"record is over; needs wq_sql.torch.DataLoader), 'checkpoint' (done when a "
+                           f"checkpoint holding the loader's state_dict() covers it; needs "
+                           f"wq_sql.torch.DataLoader) or 'taken' (DeepRec: done when the loader takes the "
+                           f"next item), got {consumed!r}")
     return consumed

@@ -1,4 +1,5 @@
-"""``DataLoader``: torch's, plus the trainer side of the hand-out/ack path (see ``handoff``)."""
+"""``DataLoader``: torch's, plus the trainer side of the hand-out/ack path (see ``handoff``) and the
+loader state of checkpoint-consistent resume (``state_dict`` / ``load_state_dict``)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,15 @@ from torch.utils.data import BatchSampler, default_collate, default_convert
 
 from wq_sql.errors import InvalidInput
 from wq_sql.torch.dataset import QueueDataset, QueuePasses
-from wq_sql.torch.handoff import Acks, Handed, main_queue
+from wq_sql.torch.handoff import Acks, Handed, give_back_recovered, main_queue
 from wq_sql.torch.sampler import QueueSampler
 
+STATE_VERSION = 1
 
-class DataLoader(torch.utils.data.DataLoader):
-    """``torch.utils.data.DataLoader`` (same arguments) for a :class:`~wq_sql.torch.QueueDataset` or
-    a map-style dataset with ``sampler=``:class:`~wq_sql.torch.QueueSampler`. It tells the queue
-    what the training loop consumed: an item is done once the training step of the batch that
-    holds its last record is over, which is when the loop asks for the next batch (sent in one
-    transaction per 0.2 s of training, and at the end of each pass, so that when ``for batch in
-    loader`` ends, its items are done). Prefetching and workers reading ahead never make an item
-    done. Each ``iter(loader)`` is the pass of the next epoch (see ``QueueDataset``'s ``epochs``;
-    ``set_epoch`` on the dataset or sampler overrides it).
 
-    Breaking out of a pass leaves the items of the batches not yet trained claimed: the same
-    DataLoader worker takes them back first in the next pass (an attempt counted), else they come
-    back when their lease expires.
-    """
+class QueueLoading:
+    """What :class:`DataLoader` (and ``wq_sql.torch.StatefulDataLoader``) add to torch's loader
+    class they are mixed with: the trainer side of the hand-out/ack path and the loader state."""
 
     def __init__(self, dataset: Any, batch_size: Optional[int] = 1, shuffle: Optional[bool] = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
@@ -61,39 +53,125 @@ class DataLoader(torch.utils.data.DataLoader):
             raise InvalidInput("wq_sql.torch.DataLoader reads a QueueDataset, or a map-style dataset with "
                                "sampler=QueueSampler(...); for anything else use torch.utils.data.DataLoader")
         passes._trainer_acks = True
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-                         pin_memory, drop_last, *args, **kwargs)
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,  # type: ignore[call-arg]
+                         collate_fn, pin_memory, drop_last, *args, **kwargs)
         self._passes = passes
         self._tagged = tagged
         self._acks: Optional[Acks] = None
         self._acks_pid = 0
+        self._step = 0  # batches yielded, over every pass (restored by load_state_dict)
+        self._pass_ended = False
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self._passes.next_pass()
+    def _trainer(self) -> Acks:
         if self._acks is None or self._acks_pid != os.getpid():
-            self._acks = Acks(main_queue(self._passes.config, self._passes.worker))
+            self._acks = Acks(main_queue(self._passes.config, self._passes.worker),
+                              checkpoint=self._passes.consumed == "checkpoint")
             self._acks_pid = os.getpid()
-        return self._pass(super().__iter__(), self._acks)
+        return self._acks
+
+    def __iter__(self) -> Iterator[Any]:
+        acks = self._trainer()
+        acks.saved()  # a state_dict() taken between passes went into a checkpoint meanwhile
+        # What a crashed predecessor of this rank held and no load_state_dict() claimed: trained,
+        # not covered by a checkpoint; back to the queue, for any loader to read again.
+        give_back_recovered(acks.queue)
+        self._passes.next_pass()
+        self._pass_ended = False
+        return self._pass(super().__iter__(), acks)  # type: ignore[misc]
 
     def _pass(self, batches: Iterator[Any], acks: Acks) -> Iterator[Any]:
         """The hand-out/ack path's trainer side: asking for batch ``k + 1`` means the step of batch
-        ``k`` is over, so its items are acknowledged (``Acks.trained``)."""
-        last: list[Handed] = []
+        ``k`` is over, so its items are acknowledged (``Acks.trained``), and that a checkpoint
+        holding a ``state_dict()`` taken after batch ``k`` was saved (``Acks.saved``)."""
         tags: Optional[deque[list[Handed]]] = None
         try:
             for raw in batches:
-                acks.trained(last)
                 if isinstance(raw, _Batch):
-                    data, last = raw.data, raw.handed
+                    data, handed = raw.data, raw.handed
                 else:
                     assert self._tagged is not None
                     if tags is None:
                         tags = self._tagged.tags
-                    data, last = raw, tags.popleft()
+                    data, handed = raw, tags.popleft()
+                acks.yielded(handed)
+                self._step += 1
                 yield data
-            acks.trained(last)
+                acks.saved()
+            acks.yielded([])
+            self._pass_ended = True
         finally:
             acks.flush()  # at the end of the pass, and after a break: what was trained is done
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state, for a checkpoint (``torch.save``, or torch.distributed.checkpoint as
+        a ``Stateful``, as torchdata's ``StatefulDataLoader``): the batches yielded so far (the
+        loader's step), the epoch, and whether its pass had ended. Every batch yielded so far
+        counts as trained by the model saved with it.
+
+        With ``consumed='checkpoint'`` the items of those batches become done, stamped with the
+        step, once that checkpoint is saved: when the training loop asks for the next batch,
+        begins the next pass, calls :meth:`checkpoint_saved`, or the process exits normally
+        after the save; if the process was killed before that, when the state is restored (it
+        lists the ids of the items it covers). Call it for the checkpoint you save (each rank
+        its own)."""
+        state: dict[str, Any] = {"version": STATE_VERSION, "queue": self._passes.config.name,
+                                 "worker": self._passes.worker, "step": self._step,
+                                 "epoch": self._passes.epoch, "pass_ended": self._pass_ended,
+                                 "items": []}
+        if self._passes.consumed == "checkpoint":
+            state["items"] = self._trainer().save_point(self._step)
+        return state
+
+    def checkpoint_saved(self) -> int:
+        """The checkpoint holding the last :meth:`state_dict` was saved (for a save that ends after
+        the loop asks for the next batch, e.g. an asynchronous one): its items are done now.
+        Returns how many."""
+        return self._trainer().saved()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a :meth:`state_dict` saved in a checkpoint, before iterating: the next pass
+        is the epoch it was in (the one after, if its pass had ended) and the step goes on from
+        its own. With ``consumed='checkpoint'`` the items this rank holds that no checkpoint
+        covers go back to the queue, and so do those its later checkpoints had covered
+        (``WorkQueue.reopen_after``): restoring an older checkpoint trains them again."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise InvalidInput(f"not a wq_sql.torch loader state (from DataLoader.state_dict()): {state!r}")
+        if state["queue"] != self._passes.config.name:
+            raise InvalidInput(f"this loader state belongs to queue {state['queue']!r}, not "
+                               f"{self._passes.config.name!r}")
+        self._step = int(state["step"])
+        epoch = int(state["epoch"]) + (1 if state["pass_ended"] else 0)
+        if epoch >= 0:
+            self._passes.set_epoch(epoch)
+        if self._passes.consumed == "checkpoint":
+            self._trainer().restore(self._step, state.get("items", []))
+
+
+class DataLoader(QueueLoading, torch.utils.data.DataLoader):  # type: ignore[misc]
+    """``torch.utils.data.DataLoader`` (same arguments) for a :class:`~wq_sql.torch.QueueDataset` or
+    a map-style dataset with ``sampler=``:class:`~wq_sql.torch.QueueSampler`. It tells the queue
+    what the training loop consumed: an item is done once the training step of the batch that
+    holds its last record is over, which is when the loop asks for the next batch (sent in one
+    transaction per 0.2 s of training, and at the end of each pass, so that when ``for batch in
+    loader`` ends, its items are done). Prefetching and workers reading ahead never make an item
+    done. Each ``iter(loader)`` is the pass of the next epoch (see ``QueueDataset``'s ``epochs``;
+    ``set_epoch`` on the dataset or sampler overrides it).
+
+    With ``consumed='checkpoint'`` on the dataset (or sampler), an item is done only once a
+    checkpoint holding :meth:`state_dict` covers it; :meth:`load_state_dict` resumes::
+
+        ds = QueueDataset(files, num_epochs=3, url=..., read=read_lines, consumed="checkpoint")
+        loader = DataLoader(ds, batch_size=64, num_workers=2)
+        if os.path.exists(path):
+            ckpt = torch.load(path)
+            model.load_state_dict(ckpt["model"]); loader.load_state_dict(ckpt["loader"])
+        ...
+            torch.save({"model": model.state_dict(), "loader": loader.state_dict()}, path)
+
+    Breaking out of a pass leaves the items of the batches not yet trained claimed: the same
+    DataLoader worker takes them back first in the next pass (an attempt counted), else they come
+    back when their lease expires.
+    """
 
 
 class _Batch:
@@ -137,6 +215,12 @@ class _TaggedIndices:
         for element in self.inner:
             tags.append(self.passes.drain())
             yield element
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # see QueuePasses.state_dict
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     def __len__(self) -> int:
         raise TypeError("a QueueSampler has no len(): how many indices a rank gets is decided as it runs")
