@@ -10,7 +10,7 @@ three alike):
                that acks the previous batch (fenced by id and token) and claims the next n (the
                same ``SKIP LOCKED`` CTE on Postgres, the same statement under ``BEGIN IMMEDIATE``
                on SQLite) and reads their work strings; no audit events, no counters.
-* ``raw_same`` wq_sql's own round (``claim.ClaimRound``: + events and per-worker counters) issued
+* ``raw_same`` wq_sql's own round (``claim.ClaimRound``: + history rows and per-worker counters) issued
                through the raw driver: the gap to ``wq_sql`` is the library's Python overhead, the
                gap between ``raw`` and ``raw_same`` is the price of the audit trail.
 * ``wq_startup`` (Postgres, opt-in: ``--variants wq_sql,wq_startup``) ``wq_sql`` on an engine that

@@ -3,9 +3,9 @@ restarted under the same or a new identity, on both backends; and 8 processes ha
 SQLite file. Afterwards the table is checked by SQL: every ``(epoch, seq)`` done exactly once,
 and the items delivered more than once are exactly the items a killed worker held.
 
-"Held by a killed worker" is read from the history, not guessed from wall clocks: replaying each
-item's events in order, a delivery (``claim``, or ``recover`` by a restarted identity) either ends
-in ``done`` by its holder or is abandoned (followed by ``expire`` or ``recover``), which only a
+"Held by a killed worker" is read from the history, not guessed from wall clocks: one row per
+delivery (``tests/deliveries.py`` replays them and checks what holds for any queue), each ended
+by ``done`` or abandoned (``expire``, or ``recover`` by its restarted identity), which only a
 killed process does here (nobody releases or fails, and leases outlast any stall).
 ``bench/chaos_soak.py`` runs the same drain for longer.
 
@@ -115,28 +115,20 @@ def _check_exactly_once(url: str, workers: list[Worker], killed: set[str]) -> di
     n_done = _query(url, f"SELECT count(*) FROM wq_history WHERE queue = '{QUEUE}' AND kind = 'done'")
     assert n_done == [(total,)]
 
-    # Replay each item's history: a delivery (claim, or recover by a restarted worker) ends in
-    # done, or is abandoned: followed by expire (the lease ran out) or by recover (its worker's
-    # identity was restarted). Tokens cannot pair them: recover events carry none.
-    ev = _query(url, "SELECT epoch, seq, kind, worker FROM wq_history "
-                     f"WHERE queue = '{QUEUE}' ORDER BY event_id")
-    kinds = collections.Counter(k for _, _, k, _ in ev)
-    assert set(kinds) <= {"claim", "recover", "done", "expire"}, kinds  # nobody released or failed
-    holder: dict[tuple[int, int], Optional[str]] = {}
-    deliveries: collections.Counter[tuple[int, int]] = collections.Counter()
-    abandoned_by: dict[tuple[int, int], list[Optional[str]]] = collections.defaultdict(list)
-    for e, s, k, w in ev:
-        key = (e, s)
-        if k in ("claim", "recover"):
-            if key in holder:
-                abandoned_by[key].append(holder[key])
-            holder[key] = w
-            deliveries[key] += 1
-        elif k == "done":
-            assert holder.pop(key, "-") == w, f"{key} done by {w}, not its holder"
-        else:  # expire: back to pending; the holder abandoned it
-            abandoned_by[key].append(holder.pop(key))
-    redelivered = {key for key, n in deliveries.items() if n > 1}
+    # Replay each item's deliveries (the stored rows, one per delivery): each ends in done, or was
+    # abandoned: expire (the lease ran out) or recover (its identity was restarted and took it back).
+    from deliveries import replay
+
+    history = replay(url, QUEUE)
+    kinds = collections.Counter(d.end for ds in history.values() for d in ds)
+    assert set(kinds) <= {"recover", "done", "expire"}, kinds  # nobody released or failed
+    assert set(history) == {(e, s) for e in range(EPOCHS) for s in range(N_WORKS)}
+    abandoned_by: dict[tuple[int, int], list[Optional[str]]] = {
+        key: [d.worker for d in ds if d.end != "done"] for key, ds in history.items()}
+    abandoned_by = {key: ws for key, ws in abandoned_by.items() if ws}
+    for key, ds in history.items():
+        assert [d.end for d in ds].count("done") == 1 and ds[-1].end == "done", f"{key}: {ds}"
+    redelivered = {key for key, ds in history.items() if len(ds) > 1}
     assert redelivered == set(abandoned_by), (
         f"re-delivered but not abandoned: {sorted(redelivered - set(abandoned_by))}; "
         f"abandoned but not re-delivered: {sorted(set(abandoned_by) - redelivered)}")

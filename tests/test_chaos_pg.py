@@ -7,12 +7,14 @@ The drains use real worker processes (``tests/worker_proc.py``) taking a 3-epoch
 costing ``ITEM_MS``. Afterwards (``_check_drain``):
 
 * ``wq_audit``: every ``(epoch, seq)`` of every epoch is ``done``, nothing else.
-* ``wq_history``, replayed per item in event order: every ``claim`` hands the item to one worker
-  and ends either in ``done`` by that worker or is *abandoned* (an ``expire``: nobody releases,
-  fails or restarts an identity here); exactly one ``done`` per item; and every abandoned
-  delivery was open across a disruption (claimed before the disruption ended, expired after it
-  began): items claimed but not acknowledged when the server went away whose lease ran out
-  during the outage, or items whose claim committed while its reply was lost.
+* The history, one row per delivery, replayed per item (``tests/deliveries.py``, which also
+  checks that an item's deliveries never overlap, that the ``done`` is its holder's, and that
+  ``wq_history`` shows one ``claim`` per delivery): every delivery ends either in ``done`` or is
+  *abandoned* (an ``expire``: nobody releases, fails or restarts an identity here); exactly one
+  ``done`` per item; and every abandoned delivery was open across a disruption (claimed before
+  the disruption ended, expired after it began): items claimed but not acknowledged when the
+  server went away whose lease ran out during the outage, or items whose claim committed while
+  its reply was lost.
 * The workers' own logs (one line per item received): every item received, and an item received
   more than once only if its history has an abandoned delivery; never more often than claimed.
 
@@ -44,6 +46,7 @@ import pytest
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pgcluster, worker_proc when run as a script
+from deliveries import replay  # noqa: E402
 from pgcluster import PgCluster, PgClusterError  # noqa: E402
 from worker_proc import Proc, make_works, query  # noqa: E402
 
@@ -166,29 +169,13 @@ def _check_drain(d: Drain, disruptions: list[Disruption]) -> dict[str, int]:
     audit = query(d.url, "SELECT epoch, seq FROM wq_audit WHERE queue = :q", q=QUEUE)
     assert {(e, s) for e, s in audit} == d.keys
 
-    ev = query(d.url, "SELECT epoch, seq, kind, worker, at FROM wq_history WHERE queue = :q "
-                      "ORDER BY event_id", q=QUEUE)
-    kinds = collections.Counter(k for _, _, k, _, _ in ev)
-    assert set(kinds) <= {"claim", "done", "expire"}, kinds
-    open_: dict[tuple[int, int], tuple[str, dt.datetime]] = {}
-    claims: collections.Counter[tuple[int, int]] = collections.Counter()
-    dones: collections.Counter[tuple[int, int]] = collections.Counter()
-    abandoned: list[tuple[tuple[int, int], str, dt.datetime, dt.datetime]] = []
-    for e, s, kind, worker, at in ev:
-        key = (e, s)
-        if kind == "claim":
-            assert key not in open_, f"{key} claimed by {worker} while {open_[key][0]} held it"
-            open_[key] = (worker, at)
-            claims[key] += 1
-        elif kind == "done":
-            holder = open_.pop(key, None)
-            assert holder is not None and holder[0] == worker, f"{key} done by {worker}, held by {holder}"
-            dones[key] += 1
-        else:
-            holder = open_.pop(key, None)
-            assert holder is not None, f"{key} expired while nobody held it"
-            abandoned.append((key, holder[0], holder[1], at))
-    assert open_ == {}, f"claimed at the end: {open_}"
+    history = replay(d.url, QUEUE)
+    kinds = collections.Counter(x.end for ds in history.values() for x in ds)
+    assert set(kinds) <= {"done", "expire"}, kinds
+    claims = collections.Counter({key: len(ds) for key, ds in history.items()})
+    dones = collections.Counter({key: [x.end for x in ds].count("done") for key, ds in history.items()})
+    abandoned = [(key, x.worker, x.claimed_at, x.ended_at) for key, ds in history.items() for x in ds
+                 if x.end == "expire"]
     assert set(dones) == d.keys and set(dones.values()) == {1}, "an item done other than once"
     for key, worker, claimed_at, left_at in abandoned:
         assert any(claimed_at < x.end and left_at > x.start for x in disruptions), (
@@ -364,7 +351,8 @@ def test_foreign_row_lock_and_old_snapshot(url: str) -> None:
         with snap_eng.connect() as snap, lock_eng.connect() as locker:
             snap.execute(sa.text("BEGIN ISOLATION LEVEL REPEATABLE READ"))
             assert snap.execute(sa.text("SELECT count(*) FROM wq_items")).scalar() == n
-            # OF i: a lock on the wq_queues row would block every claim (see docs/design.md).
+            # OF i: a lock on the wq_queues row would block every claim round that acknowledges
+            # (see docs/design.md).
             locked = locker.execute(sa.text(
                 "SELECT i.id FROM wq_items i JOIN wq_queues q ON q.id = i.queue_id "
                 "WHERE q.name = :q AND i.epoch = 0 AND i.seq = 5 AND i.state = 'pending' FOR UPDATE OF i"),

@@ -1,8 +1,10 @@
 """The hot path: one claim round per ``take()`` that needs the database, as driver-level SQL.
 
 A round acknowledges the items finished since the last round and claims up to ``n`` new ones,
-with their events, counters and work strings. The Postgres and SQLite texts sit side by side
-here (``tests/test_claim_texts.py`` checks that they agree); the claim statement and why each
+with the acks' history rows and counters and the claims' work strings. A claim writes no history
+row: a delivery's one row is written when it ends (here, the ``done`` of an ack), carrying its
+``claimed_at`` and attempt; a delivery in flight is its item row. The Postgres and SQLite texts
+sit side by side here (``tests/test_claim_texts.py`` checks that they agree); the claim statement and why each
 backend's form is safe are described in ``ops``' module docstring and ``docs/design.md``.
 """
 
@@ -16,13 +18,13 @@ from sqlalchemy.exc import DBAPIError
 
 from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect
 from wq_sql.ops import Claimed, new_token
-from wq_sql.states import CLAIMED, DONE, EV_CLAIM, EV_DONE, PENDING
+from wq_sql.states import CLAIMED, DONE, EV_DONE, PENDING
 
 
 class ClaimRound:
     """The hot path, one round trip per ``take()`` that needs the database: acknowledge the
-    items finished since the last round and claim up to ``n`` new ones, with their events,
-    counters and work strings. Built once per queue object as driver-level SQL.
+    items finished since the last round and claim up to ``n`` new ones, with the acks' history
+    rows, counters and the claims' work strings. Built once per queue object as driver-level SQL.
 
     Postgres runs it as ONE statement (data-modifying CTEs; the claim CTE is the one described in
     the module docstring, starting at a floor: see ``_floor``; rarely a second one, without
@@ -49,14 +51,16 @@ class ClaimRound:
             self._ack = (
                 f"UPDATE wq_items SET state = '{DONE}', done_at = {SQLITE_NOW}, lease_until = NULL "
                 "FROM (VALUES {pairs}) AS a WHERE wq_items.id = a.column1 AND wq_items.token = a.column2 "
-                f"AND wq_items.state = '{CLAIMED}' RETURNING id, epoch, seq, token, done_at")
+                f"AND wq_items.state = '{CLAIMED}' "
+                "RETURNING id, epoch, seq, token, done_at, claimed_at, attempts")
             self._works = "SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN ({idxs})"
-            # Events as one multi-row INSERT, each stamped with its row's own done_at/claimed_at
-            # (so event and item agree): 2.1 us per row here against 3.6 us for executemany()
-            # with a strftime() per row.
+            # The done rows as one multi-row INSERT, each stamped with its item's own done_at and
+            # claimed_at (so row and item agree): 2.1 us per row here against 3.6 us for
+            # executemany() with a strftime() per row.
             self._events = (
-                "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at) "
-                "SELECT ?, column1, column2, column3, column4, ?, column5, column6 FROM (VALUES {rows})")
+                "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at, "
+                f"claimed_at, attempt) SELECT ?, column1, column2, column3, '{EV_DONE}', ?, column4, "
+                "column5, column6, column7 FROM (VALUES {rows})")
             self._tally = (
                 "INSERT INTO wq_tallies (queue_id, epoch, worker_id, n_done) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = n_done + excluded.n_done")
@@ -65,9 +69,10 @@ class ClaimRound:
                 "ORDER BY epoch, seq LIMIT ?) "
                 f"UPDATE wq_items SET state = '{CLAIMED}', worker_id = ?, token = ?, "
                 f"claimed_at = {SQLITE_NOW}, lease_until = {SQLITE_LATER}, done_at = NULL "
-                "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts, claimed_at")
+                "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts")
             return
-        events = f"{p}wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at)"
+        events = (f"{p}wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at, "
+                  "claimed_at, attempt)")
         # The acks are found by primary key. "state || ''" keeps the planner off the partial
         # index of claimed rows, which it would otherwise pick from the table's statistics (few
         # claimed rows) although the index holds a dead entry for every claim since the last
@@ -79,10 +84,10 @@ WITH acked AS (
     WHERE id = ANY(%(ack_ids)s::bigint[])
       AND (id, token) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]))
       AND state || '' = '{CLAIMED}'
-    RETURNING id, epoch, seq, token
+    RETURNING id, epoch, seq, token, done_at, claimed_at, attempts
 ), acked_events AS (
     INSERT INTO {events}
-    SELECT %(q)s, id, epoch, seq, '{EV_DONE}', %(w)s, token, clock_timestamp() FROM acked
+    SELECT %(q)s, id, epoch, seq, '{EV_DONE}', %(w)s, token, done_at, claimed_at, attempts FROM acked
 ), acked_tally AS (
     INSERT INTO {p}wq_tallies AS t (queue_id, epoch, worker_id, n_done)
     SELECT %(q)s, epoch, %(w)s, count(*) FROM acked GROUP BY epoch
@@ -98,9 +103,6 @@ WITH acked AS (
         done_at = NULL
     FROM c WHERE i.id = c.id
     RETURNING i.id, i.epoch, i.seq, i.work_idx, i.attempts
-), claimed_events AS (
-    INSERT INTO {events}
-    SELECT %(q)s, id, epoch, seq, '{EV_CLAIM}', %(w)s, %(t)s, clock_timestamp() FROM claimed
 )
 SELECT 'c' AS k, cl.id, cl.epoch, cl.seq, cl.work_idx, cl.attempts, w.work
 FROM claimed cl JOIN {p}wq_works w ON w.queue_id = %(q)s AND w.idx = cl.work_idx
@@ -161,12 +163,11 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
             for epoch, k in per_epoch.items():
                 cur.execute(sql, (qid, epoch, worker_id, k))
             sql, params = self._claim, (qid, n, worker_id, token, f"+{self.lease!r} seconds")
-            rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts, claimed_at)
-            evs = [(r[0], r[1], r[2], EV_DONE, r[3], r[4]) for r in done]
-            evs += [(r[0], r[1], r[2], EV_CLAIM, token, r[5]) for r in rows]
-            for k in range(0, len(evs), _SQLITE_EVENT_CHUNK):
-                batch = evs[k:k + _SQLITE_EVENT_CHUNK]
-                sql = self._events.format(rows=", ".join(["(?, ?, ?, ?, ?, ?)"] * len(batch)))
+            rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts)
+            # done: (id, epoch, seq, token, done_at, claimed_at, attempts), one history row each
+            for k in range(0, len(done), _SQLITE_EVENT_CHUNK):
+                batch = done[k:k + _SQLITE_EVENT_CHUNK]
+                sql = self._events.format(rows=", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(batch)))
                 params = (qid, worker_id, *(x for e in batch for x in e))
                 cur.execute(sql, params)
             works: dict[int, str] = {}
@@ -185,4 +186,4 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
 
 # Rows per statement: SQLite allows 32766 parameters per statement.
 _SQLITE_ACK_CHUNK = 10_000  # 2 parameters each
-_SQLITE_EVENT_CHUNK = 5_000  # 6 each
+_SQLITE_EVENT_CHUNK = 4_000  # 7 each

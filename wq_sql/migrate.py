@@ -28,15 +28,18 @@ _PG_INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def migrations_dir() -> Path:
-    """The Alembic scripts: ``wq_sql._migrations`` in a wheel, ``migrations/`` in a checkout."""
+    """The Alembic scripts: ``migrations/`` in the checkout this ``wq_sql`` was imported from,
+    else ``wq_sql._migrations`` (a wheel). The checkout comes first: an editable install maps
+    ``wq_sql._migrations`` to its own checkout, which may not be the one on ``PYTHONPATH``
+    (a git worktree would then run another tree's migrations)."""
+    here = Path(__file__).resolve().parent.parent / "migrations"
+    if (here / "env.py").exists() and (here / "versions" / "0001_initial_schema.py").exists():
+        return here
     spec = importlib.util.find_spec("wq_sql._migrations")
     if spec is not None and spec.submodule_search_locations:
         for loc in spec.submodule_search_locations:
             if (Path(loc) / "env.py").exists():
                 return Path(loc)
-    here = Path(__file__).resolve().parent.parent / "migrations"
-    if (here / "env.py").exists():
-        return here
     raise RuntimeError("wq_sql's migrations are missing from this installation; reinstall wq_sql")
 
 

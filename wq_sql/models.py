@@ -185,7 +185,8 @@ class Tally(Base):
 
 
 class Event(Base):
-    """Append-only history: one row per item transition, written in the transaction that made it."""
+    """Append-only history: one row per delivery, written in the transaction that ended it (and
+    one per requeue of a done or failed item, ``claimed_at`` NULL). See ``wq_sql.states``."""
 
     __tablename__ = "wq_events"
     __table_args__ = (
@@ -201,8 +202,13 @@ class Event(Base):
     kind: Mapped[str] = mapped_column(String(10))
     worker_id: Mapped[Optional[int]] = mapped_column(Integer)
     token: Mapped[Optional[int]] = mapped_column(BigInteger)
-    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)  # when the delivery ended
     detail: Mapped[Optional[str]] = mapped_column(Text)
+    # The delivery this row ends: when its holder claimed the item (``wq_items.claimed_at``: a
+    # delivery begun by a recovery keeps the claim's time) and ``wq_items.attempts`` during it
+    # (failed attempts before it: 0 on the first). NULL on a requeue of a done or failed item.
+    claimed_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
+    attempt: Mapped[Optional[int]] = mapped_column(Integer)
 
 
 class CheckpointRecord(Base):
@@ -240,12 +246,36 @@ LEFT JOIN {s}wq_workers wk ON wk.id = i.worker_id
 """
 
 EVENTS_VIEW = "wq_history"
+# One row per stored event, plus a 'claim' row per delivery, made from the row that ended it (at
+# its claimed_at) or, while it is in flight, from the claimed item row. A delivery that began
+# with a recovery has no claim row: the 'recover' row before it stands for its start, as it did
+# when claims were stored. event_id: a stored row's id; a claim made from an ending row sits just
+# before it (id - 0.5), one made from an item row after every stored row (max id + 0.5). So each
+# item's rows in event_id order read as they did; across items, order by ``at``.
 EVENTS_VIEW_SQL = """
 SELECT q.name AS queue, e.epoch AS epoch, e.seq AS seq, e.kind AS kind,
        wk.name AS worker, e.at AS at, e.detail AS detail, e.item_id AS item_id, e.id AS event_id
 FROM {s}wq_events e
 JOIN {s}wq_queues q ON q.id = e.queue_id
 LEFT JOIN {s}wq_workers wk ON wk.id = e.worker_id
+UNION ALL
+SELECT q.name, e.epoch, e.seq, 'claim', wk.name, e.claimed_at, NULL, e.item_id,
+       e.id - CAST(0.5 AS DOUBLE PRECISION)
+FROM {s}wq_events e
+JOIN {s}wq_queues q ON q.id = e.queue_id
+LEFT JOIN {s}wq_workers wk ON wk.id = e.worker_id
+WHERE e.claimed_at IS NOT NULL AND e.kind <> 'claim'
+  AND COALESCE((SELECT p.kind FROM {s}wq_events p WHERE p.queue_id = e.queue_id
+                AND p.item_id = e.item_id AND p.id < e.id ORDER BY p.id DESC LIMIT 1), '') <> 'recover'
+UNION ALL
+SELECT q.name, i.epoch, i.seq, 'claim', wk.name, i.claimed_at, NULL, i.id,
+       (SELECT COALESCE(MAX(x.id), 0) FROM {s}wq_events x) + CAST(0.5 AS DOUBLE PRECISION)
+FROM {s}wq_items i
+JOIN {s}wq_queues q ON q.id = i.queue_id
+LEFT JOIN {s}wq_workers wk ON wk.id = i.worker_id
+WHERE i.state = 'claimed'
+  AND COALESCE((SELECT p.kind FROM {s}wq_events p WHERE p.queue_id = i.queue_id
+                AND p.item_id = i.id ORDER BY p.id DESC LIMIT 1), '') <> 'recover'
 """
 
 VIEWS = {AUDIT_VIEW: AUDIT_VIEW_SQL, EVENTS_VIEW: EVENTS_VIEW_SQL}

@@ -2,7 +2,8 @@
 
 Each function runs inside a transaction its caller opened (``WorkQueue`` owns transactions), and
 writes the ``wq_events`` rows and ``wq_tallies`` counters of the transitions it makes in that
-same transaction.
+same transaction: one history row per delivery it ends (with the delivery's ``claimed_at`` and
+attempt, see ``wq_sql.states``), and one per done or failed item it requeues.
 
 The claim is one statement on both backends::
 
@@ -220,11 +221,22 @@ def works_by_idx(conn: Connection, qid: int, idxs: Sequence[int]) -> dict[int, s
 # ---------------------------------------------------------------- events and counters
 
 
+# What an ending statement returns for its history rows (after the id, epoch, seq it returns).
+ENDED = (items.c.claimed_at, items.c.attempts)
+
+
 def _log(conn: Connection, b: Dialect, qid: int, kind: str, rows: Iterable[Any],
-         worker_id: Optional[int] = None, detail: Optional[str] = None) -> None:
+         worker_id: Optional[int] = None, detail: Optional[str] = None, *, counted: bool = False,
+         delivery: bool = True) -> None:
+    """One history row per row of ``rows``. ``delivery``: each row ended a delivery, whose
+    ``claimed_at`` and attempt it records (rows carry ``claimed_at`` and ``attempts``, the latter
+    after the statement's own increment when it ``counted`` an attempt); else (a requeue of a
+    done or failed item) neither is recorded."""
     batch = [{"queue_id": qid, "item_id": r.id, "epoch": r.epoch, "seq": r.seq, "kind": kind,
               "worker_id": worker_id if worker_id is not None else r.worker_id,
-              "token": getattr(r, "token", None), "detail": detail} for r in rows]
+              "token": getattr(r, "token", None), "detail": detail,
+              "claimed_at": r.claimed_at if delivery else None,
+              "attempt": r.attempts - counted if delivery else None} for r in rows]
     if batch:
         conn.execute(insert(events).values(at=b.now()), batch)
 
@@ -263,7 +275,7 @@ def complete(conn: Connection, b: Dialect, qid: int, worker_id: int,
     rows = conn.execute(
         update(items).where(_fenced(pairs))
         .values(state=DONE, done_at=b.now(), lease_until=None)
-        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token, *ENDED)).all()
     _log(conn, b, qid, EV_DONE, rows, worker_id)
     _tally(conn, b, qid, rows, "n_done", worker_id)
     accepted = {r.id for r in rows}
@@ -293,7 +305,7 @@ def release(conn: Connection, b: Dialect, qid: int, worker_id: int,
     rows = conn.execute(
         update(items).where(_fenced(pairs))
         .values(state=PENDING, token=None, lease_until=None)
-        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)).all()
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token, *ENDED)).all()
     _log(conn, b, qid, EV_RELEASE, rows, worker_id)
     return {r.id for r in rows}
 
@@ -312,8 +324,8 @@ def fail(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequence
         update(items).where(_fenced(pairs))
         .values(state=state, attempts=items.c.attempts + 1, last_error=error, lease_until=None,
                 done_at=case((state == FAILED, b.now()), else_=None))
-        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.token)).all()
-    _log(conn, b, qid, EV_FAIL, rows, worker_id, error)
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.token, *ENDED)).all()
+    _log(conn, b, qid, EV_FAIL, rows, worker_id, error, counted=True)
     _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed", worker_id)
     return {r.id for r in rows}
 
@@ -338,8 +350,8 @@ def _give_back(conn: Connection, b: Dialect, qid: int, where: list[Any], max_att
         update(items).where(items.c.id == locked.c.id)
         .values(state=state, attempts=items.c.attempts + 1, token=None, lease_until=None,
                 last_error=why, done_at=case((state == FAILED, b.now()), else_=None))
-        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.worker_id)).all()
-    _log(conn, b, qid, EV_EXPIRE, rows, detail=why)
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.worker_id, *ENDED)).all()
+    _log(conn, b, qid, EV_EXPIRE, rows, detail=why, counted=True)
     _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed")
     return len(rows)
 
@@ -537,11 +549,12 @@ def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_second
                 token=token, lease_until=b.now_plus(lease_seconds),
                 done_at=case((items.c.attempts + 1 >= max_attempts, b.now()), else_=None))
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.work_idx, items.c.attempts,
-                   items.c.state, items.c.worker_id)).all()
+                   items.c.state, items.c.worker_id, items.c.claimed_at)).all()
     failed = [r for r in rows if r.state == FAILED]
     kept = [r for r in rows if r.state != FAILED]
-    _log(conn, b, qid, EV_RECOVER, kept, worker_id, "restarted worker took its items back")
-    _log(conn, b, qid, EV_FAIL, failed, worker_id, "worker died holding it too often")
+    # Each row ends the dead process's delivery; a kept item's next delivery begins with it.
+    _log(conn, b, qid, EV_RECOVER, kept, worker_id, "restarted worker took its items back", counted=True)
+    _log(conn, b, qid, EV_FAIL, failed, worker_id, "worker died holding it too often", counted=True)
     _tally(conn, b, qid, failed, "n_failed", worker_id)
     return sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in kept),
                   key=lambda c: (c.epoch, c.seq))
@@ -638,7 +651,7 @@ def cover(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequenc
         rows = list(conn.execute(
             update(items).where(_fenced(pairs))
             .values(state=DONE, done_at=b.now(), lease_until=None, ckpt_step=step)
-            .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token)))
+            .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token, *ENDED)))
         _log(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step}")
         _tally(conn, b, qid, rows, "n_done", worker_id)
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_SAVE, step=step,
@@ -675,7 +688,7 @@ def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: O
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id)).all()
     why = (f"model restored from checkpoint step {step}" if step is not None
            else "model restored without a checkpoint")
-    _log(conn, b, qid, EV_REQUEUE, rows, worker_id, why)
+    _log(conn, b, qid, EV_REQUEUE, rows, worker_id, why, delivery=False)
     _untally(conn, qid, rows, "n_done")
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_RESTORE, step=step,
                                             items=len(rows), ambiguous=0, at=b.now()))
@@ -714,8 +727,10 @@ def requeue(conn: Connection, b: Dialect, qid: int, from_state: str, *, epoch: O
         values.update(attempts=0, last_error=None)
     rows = conn.execute(
         update(items).where(items.c.id == locked.c.id, items.c.state == from_state).values(**values)
-        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id)).all()
-    _log(conn, b, qid, EV_REQUEUE, rows, detail=detail or f"operator requeued a {from_state} item")
+        .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id, *ENDED)).all()
+    # A requeued claimed item ends its delivery; a done or failed one ends none.
+    _log(conn, b, qid, EV_REQUEUE, rows, detail=detail or f"operator requeued a {from_state} item",
+         delivery=from_state == CLAIMED)
     if from_state in (DONE, FAILED):
         _untally(conn, qid, rows, "n_done" if from_state == DONE else "n_failed")
     return list(rows)

@@ -1,6 +1,7 @@
 """Read-only reports over a queue's rows and history: the audit and the timeline picture.
 
-Nothing here writes. Both read ``wq_events`` (the history behind the ``wq_history`` view):
+Nothing here writes. Both read ``wq_events`` (the history behind the ``wq_history`` view, one
+row per delivery, written when it ends) and the claimed item rows (the deliveries in flight):
 
 * :func:`audit` answers who consumed what (the ``wq_tallies`` counters, per worker and epoch),
   what was delivered more than once and why, what failed with which error, and whether every
@@ -9,9 +10,10 @@ Nothing here writes. Both read ``wq_events`` (the history behind the ``wq_histor
   :func:`render_html` (inline SVG, no dependency) and :func:`render_png` (matplotlib, the
   ``[plot]`` extra).
 
-A *delivery* is a ``claim`` event, or a ``recover`` event (a restarted worker took the item back);
-an item delivered more than once was *re-delivered*, each delivery after its first is a
-*re-delivery event*.
+A *delivery* is one claim of one item by one worker, or a ``recover`` (a restarted worker took
+the item back); an item delivered more than once was *re-delivered*, each delivery after its first
+is a *re-delivery event*. :func:`_events` rebuilds the history as ``wq_history`` shows it, a
+``claim`` event for each delivery that began with a claim (the same rule as the view).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ ENDINGS = (EV_DONE, EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER, EV_REQUEUE)
 
 @dataclass(frozen=True)
 class Event:
-    id: int
+    id: float  # wq_history's event_id: a made claim sits at its ending row's id - 0.5
     item_id: int
     epoch: int
     seq: int
@@ -61,21 +63,52 @@ class Event:
 
 
 def _events(conn: Connection, qid: int, item_ids: Optional[Sequence[int]] = None) -> list[Event]:
-    e, w = ops.events, ops.workers
-    stmt = (select(e.c.id, e.c.item_id, e.c.epoch, e.c.seq, e.c.kind, w.c.name, e.c.at, e.c.detail)
+    """The history of the queue (or of ``item_ids``) as ``wq_history`` shows it, in event_id order."""
+    e, w, i = ops.events, ops.workers, ops.items
+    stmt = (select(e.c.id, e.c.item_id, e.c.epoch, e.c.seq, e.c.kind, w.c.name, e.c.at, e.c.detail,
+                   e.c.claimed_at)
             .select_from(e.outerjoin(w, w.c.id == e.c.worker_id))
             .where(e.c.queue_id == qid).order_by(e.c.id))
-    out: list[Event] = []
+    held = (select(i.c.id, i.c.epoch, i.c.seq, w.c.name, i.c.claimed_at)
+            .select_from(i.outerjoin(w, w.c.id == i.c.worker_id))
+            .where(i.c.queue_id == qid, i.c.state == CLAIMED))
+    rows: list[Any] = []
+    flying: list[Any] = []
     if item_ids is None:
         chunks: list[Optional[Sequence[int]]] = [None]
     else:
         ids = sorted(set(item_ids))
-        chunks = [ids[i:i + 500] for i in range(0, len(ids), 500)]
+        chunks = [ids[k:k + 500] for k in range(0, len(ids), 500)]
     for chunk in chunks:
-        s = stmt if chunk is None else stmt.where(e.c.item_id.in_(list(chunk)))
-        out += [Event(*r) for r in conn.execute(s)]
-    out.sort(key=lambda ev: ev.id)
+        rows += conn.execute(stmt if chunk is None else stmt.where(e.c.item_id.in_(list(chunk)))).all()
+        flying += conn.execute(held if chunk is None else held.where(i.c.id.in_(list(chunk)))).all()
+    rows.sort(key=lambda r: r.id)
+    out: list[Event] = []
+    last: dict[int, str] = {}  # item id -> kind of its latest stored row
+    for r in rows:
+        # A delivery that began with a recovery has the recover row before it as its start.
+        if r.claimed_at is not None and r.kind != EV_CLAIM and last.get(r.item_id) != EV_RECOVER:
+            out.append(Event(r.id - 0.5, r.item_id, r.epoch, r.seq, EV_CLAIM, r.name, r.claimed_at, None))
+        out.append(Event(r.id, r.item_id, r.epoch, r.seq, r.kind, r.name, r.at, r.detail))
+        last[r.item_id] = r.kind
+    top = rows[-1].id if rows else 0
+    for f in sorted(flying, key=lambda f: (f.claimed_at, f.id)):
+        if last.get(f.id) != EV_RECOVER:
+            out.append(Event(top + 0.5, f.id, f.epoch, f.seq, EV_CLAIM, f.name, f.claimed_at, None))
     return out
+
+
+def _delivered_again(conn: Connection, qid: int) -> list[int]:
+    """Items with more than one delivery: each ending row (``claimed_at`` set) is one, and so is
+    a claimed item row."""
+    e, i = ops.events, ops.items
+    ended = (select(e.c.item_id, func.count().label("n"))
+             .where(e.c.queue_id == qid, e.c.claimed_at.is_not(None)).group_by(e.c.item_id).subquery("n"))
+    flying = case((i.c.state == CLAIMED, 1), else_=0)
+    rows = conn.execute(select(ended.c.item_id)
+                        .select_from(ended.outerjoin(i, i.c.id == ended.c.item_id))
+                        .where(ended.c.n + func.coalesce(flying, 0) > 1)).all()
+    return [r.item_id for r in rows]
 
 
 # ---------------------------------------------------------------- audit
@@ -113,7 +146,7 @@ class Audit:
 
 def audit(conn: Connection, q: Any) -> Audit:
     """Audit queue row ``q`` (from ``ops.find_queue``) in one read transaction of the caller."""
-    i, e, t, w, wk = ops.items, ops.events, ops.tallies, ops.workers, ops.works_t
+    i, t, w, wk = ops.items, ops.tallies, ops.workers, ops.works_t
     qid = q.id
     a = Audit(q.name, q.n_works, q.num_epochs, q.epochs_created)
     names = {r.id: r.name for r in conn.execute(select(w.c.id, w.c.name).where(w.c.queue_id == qid))}
@@ -127,9 +160,7 @@ def audit(conn: Connection, q: Any) -> Audit:
     a.consumed.sort(key=lambda c: (c["worker"], c["epoch"]))
 
     # Re-deliveries: items with more than one delivery, with their whole history.
-    again = [r.item_id for r in conn.execute(
-        select(e.c.item_id).where(e.c.queue_id == qid, e.c.kind.in_(DELIVERIES))
-        .group_by(e.c.item_id).having(func.count() > 1))]
+    again = _delivered_again(conn, qid)
     if again:
         works = _works_of(conn, qid, again)
         by_item: dict[int, list[Event]] = {}

@@ -21,14 +21,19 @@ FAILED = "failed"
 
 ITEM_STATES = (PENDING, CLAIMED, DONE, FAILED)
 
-# Event kinds written to wq_events, one row per item transition.
-EV_CLAIM = "claim"          # pending -> claimed
+# Event kinds of wq_events. One row per delivery (one claim of one item by one worker), written
+# when the delivery ends, with its claimed_at and attempt; plus the requeues of done and failed
+# items, which end no delivery (claimed_at NULL). A claim writes no row: the wq_history view
+# shows a 'claim' for each delivery, from the ending rows and the claimed item rows.
+EV_CLAIM = "claim"          # never written since revision 0005, except for converted history: a
+                            # delivery whose end was never recorded (see docs/design.md)
 EV_DONE = "done"            # claimed -> done
 EV_RELEASE = "release"      # claimed -> pending, attempts unchanged
 EV_FAIL = "fail"            # claimed -> pending/failed by fail(), attempts + 1
 EV_EXPIRE = "expire"        # claimed -> pending/failed, lease ran out, attempts + 1
-EV_RECOVER = "recover"      # claimed -> claimed by a restarted worker of the same identity
-EV_REQUEUE = "requeue"      # done/failed -> pending, operator action
+EV_RECOVER = "recover"      # claimed -> claimed: a restarted worker of the same identity took it
+                            # back; ends the dead process's delivery and begins the next one
+EV_REQUEUE = "requeue"      # done/failed/claimed -> pending, operator action (or a restore)
 
 EVENT_KINDS = (EV_CLAIM, EV_DONE, EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER, EV_REQUEUE)
 
