@@ -2,7 +2,7 @@
 that a restarted job (torchrun) returns its previous incarnation's items at once
 
 Revision ID: 0006
-Revises: 0004 (re-pointed to 0005 at merge)
+Revises: 0005
 Create Date: 2026-11-25 21:30:00
 """
 
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0006'
-down_revision = '0004'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 
