@@ -3,6 +3,8 @@ when Postgres commits ids out of order."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import sqlalchemy as sa
 
@@ -11,14 +13,15 @@ from wq_sql.dialects import dialect_of
 from wq_sql.engine import make_engine, resolve_url
 
 
-def _event(c: sa.Connection, qid: int, item_id: int, kind: str) -> None:
+def _event(c: sa.Connection, qid: int, item_id: int, kind: str, claimed_at: object = None) -> None:
     c.execute(sa.insert(ops.events).values(queue_id=qid, item_id=item_id, epoch=0, seq=0, kind=kind,
-                                           worker_id=None, token=None, at=dialect_of(c).now(), detail=None))
+                                           worker_id=None, token=None, at=dialect_of(c).now(), detail=None,
+                                           claimed_at=claimed_at))
 
 
 def _counts(engine: sa.Engine, h: watch.HistoryCounts) -> dict[str, int]:
     sums = watch.snapshot(engine, h.read)
-    return {k: v for c in sums.values() for k, v in c.items() if k in watch.ENDING_KINDS}
+    return {k: v for c in sums.values() for k, v in c.items() if k in (*watch.ENDING_KINDS, "requeue")}
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
@@ -68,8 +71,14 @@ def test_history_counts_read_each_row_once(db_url: str) -> None:
                 _event(c, qid, item, kind)
             if k % 2:
                 _counts(engine, h)
-        want = {"done": 6, "expire": 3, "recover": 3}
+        want = {"done": 6, "expire": 3, "recover": 3}  # a requeue of a done item ends no delivery
         assert _counts(engine, h) == want
         assert _counts(engine, watch.HistoryCounts()) == want
+        with engine.begin() as c:  # an operator's requeue of a claimed item ends its delivery
+            _event(c, qid, item, "requeue", claimed_at=dialect_of(c).now())
+        want["requeue"] = 1
+        assert _counts(engine, h) == want
+        assert _counts(engine, watch.HistoryCounts()) == want
+        assert watch.deliveries(Counter(want), claimed=0) == 13
     finally:
         engine.dispose()

@@ -42,6 +42,7 @@ from wq_sql.states import (
     EV_FAIL,
     EV_RECOVER,
     EV_RELEASE,
+    EV_REQUEUE,
 )
 
 T = TypeVar("T")
@@ -251,7 +252,10 @@ class HistoryCounts:
         scans the (queue_id, item_id) index, the whole history, to group by queue."""
         e = ops.events
         lease = case((e.c.detail == LEASE_EXPIRED, 1), else_=0).label("lease")
-        where = [e.c.id > after, e.c.id <= upto, e.c.kind.in_(ENDING_KINDS)]
+        # An operator's requeue of a claimed item ends its delivery too (its row has claimed_at);
+        # a requeue of a done or failed item ends none.
+        where = [e.c.id > after, e.c.id <= upto,
+                 e.c.kind.in_(ENDING_KINDS) | ((e.c.kind == EV_REQUEUE) & e.c.claimed_at.is_not(None))]
         out: dict[tuple[int, int], Counter[str]] = {}
         for r in conn.execute(select(e.c.queue_id, e.c.epoch, e.c.kind, lease, func.count().label("n"))
                               .where(*where).group_by(e.c.queue_id, e.c.epoch, e.c.kind, lease)):
@@ -271,13 +275,14 @@ def _add(into: dict[tuple[int, int], Counter[str]], more: dict[tuple[int, int], 
 
 def deliveries(counts: Counter[str], claimed: int) -> int:
     """Deliveries of an epoch: those that ended (one ending row each) and those in flight."""
-    return sum(counts[k] for k in ENDING_KINDS) + claimed
+    return sum(counts[k] for k in (*ENDING_KINDS, EV_REQUEUE)) + claimed
 
 
 def redeliveries(counts: Counter[str], failed: int) -> int:
     """Items sent back for another delivery: deliveries that ended without ``done`` (released,
-    failed, expired, holder gone or restarted), less the items that failed for good."""
-    return max(sum(counts[k] for k in (EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER)) - failed, 0)
+    failed, expired, holder gone or restarted, requeued by an operator while claimed), less the
+    items that failed for good."""
+    return max(sum(counts[k] for k in (EV_RELEASE, EV_FAIL, EV_EXPIRE, EV_RECOVER, EV_REQUEUE)) - failed, 0)
 
 
 # ---------------------------------------------------------------- the last minutes (dashboard)
