@@ -5,35 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.utils.data
-from torch_support import ENV, sql, write_files
+from torch_support import ENV, close_datasets, sql, write_files  # noqa: F401 - an autouse fixture
 
 from wq_sql import InvalidInput
 from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, rank_name
-from wq_sql.torch.dataset import QueuePasses
-
-
-@pytest.fixture(autouse=True)
-def close_datasets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Close every dataset and sampler a test made (its queue objects), before its database goes."""
-    if "db_url" in request.fixturenames:
-        request.getfixturevalue("db_url")  # set up first, so torn down after this fixture
-    made: list[QueuePasses] = []
-    init = QueuePasses.__init__
-
-    def remember(self: QueuePasses, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(QueuePasses, "__init__", remember)
-    yield
-    for passes in made:
-        passes.close()
 
 
 def read_lines(path: str) -> list[str]:

@@ -6,38 +6,18 @@ checkpoint re-opens what it does not cover."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch_support import sql, write_files
+from torch_support import close_datasets, sql, write_files  # noqa: F401 - an autouse fixture
 from torchdata.stateful_dataloader import StatefulDataLoader as TorchdataLoader
 
 from wq_sql import InvalidInput
 from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, StatefulDataLoader
-from wq_sql.torch.dataset import QueuePasses
 
 LINES = 5  # records per file (item)
-
-
-@pytest.fixture(autouse=True)
-def close_datasets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Close every dataset a test made (its queue objects), before its database goes."""
-    if "db_url" in request.fixturenames:
-        request.getfixturevalue("db_url")
-    made: list[QueuePasses] = []
-    init = QueuePasses.__init__
-
-    def remember(self: QueuePasses, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(QueuePasses, "__init__", remember)
-    yield
-    for passes in made:
-        passes.close()
 
 
 def read_lines(path: str) -> list[str]:

@@ -17,23 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from procwatch import child_env, run_all
-from torch_support import HERE, sql, write_files
+from torch_support import HERE, read_log, sql, write_files
 
 TRAINER = HERE / "torch_ckpt_trainer.py"
 KILLS = int(os.environ.get("WQ_SQL_TEST_KILLS", "10"))
 WORKERS = 2  # DataLoader worker processes: at most one item each straddles a save
 LINES = 6
-
-
-def log_lines(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # the last line of a killed trainer may be cut
-                pass
-    return out
 
 
 def item_of(record: str) -> tuple[int, str]:
@@ -59,7 +48,7 @@ def test_trainer_killed_at_random_points_loses_nothing(db_url: str, tmp_path: Pa
             p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(),
                                  start_new_session=True)
         deadline = time.monotonic() + 120
-        while sum("restored" in e for e in log_lines(log)) <= k:
+        while sum("restored" in e for e in read_log(log)) <= k:
             assert p.poll() is None, (tmp_path / f"out{k}").read_text()[-3000:]
             assert time.monotonic() < deadline, "the trainer did not start"
             time.sleep(0.02)
@@ -75,7 +64,7 @@ def test_trainer_killed_at_random_points_loses_nothing(db_url: str, tmp_path: Pa
 
     # The runs, as the trainer logged them: what each restored, trained and saved.
     runs: list[dict[str, Any]] = []
-    for entry in log_lines(log):
+    for entry in read_log(log):
         if "restored" in entry:
             runs.append({"restored": entry["restored"], "batches": []})
         elif "records" in entry:

@@ -10,9 +10,11 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 HERE = Path(__file__).resolve().parent
@@ -105,3 +107,23 @@ def audit_exactly_once(url: str, queue: str, items_per_epoch: int, epochs: int) 
     twice = sql(url, "SELECT epoch, seq, count(*) FROM wq_history WHERE queue = :q AND kind = 'done' "
                      "GROUP BY epoch, seq HAVING count(*) <> 1", q=queue)
     assert twice == [], twice
+
+
+@pytest.fixture(autouse=True)
+def close_datasets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Close every dataset and sampler a test made (its queue objects), before its database goes."""
+    if "db_url" in request.fixturenames:
+        request.getfixturevalue("db_url")  # set up first, so torn down after this fixture
+    from wq_sql.torch.dataset import QueuePasses  # torch only where a test asks for it
+
+    made: list[QueuePasses] = []
+    init = QueuePasses.__init__
+
+    def remember(self: QueuePasses, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(QueuePasses, "__init__", remember)
+    yield
+    for passes in made:
+        passes.close()
