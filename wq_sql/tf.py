@@ -441,8 +441,9 @@ class WorkQueue:
     @property
     def default_read_ahead(self) -> int:
         """The read-ahead assumed when none is given and the pipeline's iterator is not in the
-        checkpoint: ``DEFAULT_READ_AHEAD`` plus the items of one hand-out (see the module
-        docstring, "Checkpoint-consistent consumption")."""
+        checkpoint: ``DEFAULT_READ_AHEAD`` plus the items of the largest hand-out so far (with
+        the automatic ``lease_ahead`` it grows as the hand-outs do; see the module docstring,
+        "Checkpoint-consistent consumption")."""
         return DEFAULT_READ_AHEAD + self._hand_out
 
     def before_save(self) -> Mark:
@@ -497,7 +498,7 @@ class WorkQueue:
     def checkpoint_listener(self, read_ahead: Optional[int] = None) -> CheckpointListener:
         """A TF1 ``CheckpointSaverListener`` for ``CheckpointSaverHook(listeners=[...])`` (see
         :class:`CheckpointListener`)."""
-        return CheckpointListener(self, self.default_read_ahead if read_ahead is None else read_ahead)
+        return CheckpointListener(self, read_ahead)
 
     def _need_checkpoint_mode(self) -> None:
         if self.consumed != "checkpoint":
