@@ -619,7 +619,7 @@ def _stall_report(a: argparse.Namespace, res: list[Any], seen: list[tuple[float,
             print(f"  {k:5d}  {s}")
     print(f"all claims: n {len(rec)}, p99 {pct([x[1] for x in rec], 99) * 1e3:.2f} ms, max {worst[1] * 1e3:.1f} ms")
     return {"ref": ref, "around": around, "worst": worst, "per_worker": per_worker, "sessions": seen,
-            "loads": [load0, load1]}
+            "loads": [load0, load1], "claims": {i: r for i, r, _ in res}}
 
 
 # ---------------------------------------------------------------- worker memory
