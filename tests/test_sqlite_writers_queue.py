@@ -243,25 +243,25 @@ def test_a_writer_killed_while_holding_its_turn_holds_nobody(db_file: Path, writ
 
 def test_a_writer_killed_while_waiting_for_its_turn_holds_nobody(db_file: Path,
                                                                  writers: list[Writer]) -> None:
-    """B dies queued between A (holding) and C: C gets its turn when A ends, not before (it waits
-    for every turn before its own) and not never."""
-    a, b, c = (start(writers, db_file) for _ in range(3))
+    """B dies queued between A (holding) and C, D: C and D get their turns when A ends, in order,
+    not before (each waits for every turn before its own) and not never."""
+    a, b, c, d = (start(writers, db_file) for _ in range(4))
     a.send("hold A")
     assert a.line() == "HOLDING"
     base = tickets_drawn(db_file)
-    b.send("write B")
-    wait_for_tickets(db_file, base + 1)
-    c.send("write C")
-    wait_for_tickets(db_file, base + 2)
+    for k, (w, tag) in enumerate(zip((b, c, d), "BCD"), 1):
+        w.send(f"write {tag}")
+        wait_for_tickets(db_file, base + k)
     b.kill()
-    d = start(writers, db_file)
-    d.send("read")  # a read meanwhile: C is still waiting, behind A
-    assert d.line() == "READ 0"
-    assert not c.answered()
+    r = start(writers, db_file)
+    r.send("read")  # a read meanwhile: C and D are still waiting, behind A
+    assert r.line() == "READ 0"
+    assert not c.answered() and not d.answered()
     a.send("")
     assert a.line() == "HELD"
     assert c.line() == "WROTE C"
-    assert [t for t, _ in rows(db_file)] == ["A", "C"]
+    assert d.line() == "WROTE D"
+    assert [t for t, _ in rows(db_file)] == ["A", "C", "D"]
 
 
 # ---------------------------------------------------------------- what does not queue

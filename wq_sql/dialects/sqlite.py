@@ -161,9 +161,9 @@ class WriterQueue:
 
     A ticket lock on open-file-description (OFD) byte-range locks of ``<db>-wqturns``: under the
     lock on byte 0, a writer reads the ticket counter t from the file, locks byte ``1 + t`` (its
-    turn) and writes t + 1; then it waits, woken by the kernel, for byte ``t`` (the writer just
-    before it), then for every byte below (instant unless a writer before it died while
-    waiting). Ending the turn unlocks what its descriptor holds. The kernel drops the locks of a
+    turn) and writes t + 1; then it waits, woken by the kernel, until every byte below is free
+    (every turn before its own has ended, or its writer died), the byte ``t`` of the writer just
+    ahead last. Ending the turn unlocks what its descriptor holds. The kernel drops the locks of a
     process that dies, killed or not, so a dead writer never holds the others; and OFD locks
     belong to an open file, not to a process, so every wait uses a descriptor of its own and the
     threads of one process queue like processes. Read-only transactions never ask for a turn."""
@@ -273,13 +273,18 @@ def _take_turn(fd: int) -> None:
         os.pwrite(fd, (ticket + 1).to_bytes(8, "little"), 0)
     finally:
         _lock(fd, fcntl.F_UNLCK, _MUTEX, 1)
-    if ticket:
-        # The writer just before this one, then all earlier ones (at once, unless one died while
-        # waiting: its byte is free before its turn came). Read locks wait for the write locks
-        # of the turns without conflicting with other waiters; they stay until the turn ends
-        # (no writer locks those bytes again).
+    # Read locks wait for the write locks of the turns without conflicting with other waiters;
+    # they stay until this turn ends (no writer locks those bytes again). First the writer two
+    # ahead, then every one before it (at once, unless one died while waiting: its byte was free
+    # before its turn came), then the one just ahead: so the moment that one's turn ends, this
+    # one's begins, with no further call (each call lets the process's other threads take the
+    # GIL, which a busy one, e.g. the epoch maker's shuffle, keeps for up to 5 ms).
+    if ticket >= 2:
+        _lock(fd, fcntl.F_RDLCK, _FIRST + ticket - 2, 1, wait=True)
+    if ticket >= 3:
+        _lock(fd, fcntl.F_RDLCK, _FIRST, ticket - 2, wait=True)
+    if ticket >= 1:
         _lock(fd, fcntl.F_RDLCK, _FIRST + ticket - 1, 1, wait=True)
-        _lock(fd, fcntl.F_RDLCK, _FIRST, ticket, wait=True)
 
 
 def writer_queue(url: URL) -> Optional[WriterQueue]:
