@@ -4,6 +4,7 @@ of failing halfway with ``database is locked``) and what its open errors mean.""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -263,6 +264,17 @@ def _lock(fd: int, kind: int, start: int, length: int, wait: bool = False) -> No
                 _FLOCK.pack(kind, os.SEEK_SET, start, length, 0) + bytes(8))
 
 
+def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """:func:`_lock` without waiting: False if another descriptor holds a conflicting lock."""
+    try:
+        _lock(fd, kind, start, length)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
 def _take_turn(fd: int) -> None:
     _lock(fd, fcntl.F_WRLCK, _MUTEX, 1, wait=True)
     try:
@@ -279,6 +291,8 @@ def _take_turn(fd: int) -> None:
     # before its turn came), then the one just ahead: so the moment that one's turn ends, this
     # one's begins, with no further call (each call lets the process's other threads take the
     # GIL, which a busy one, e.g. the epoch maker's shuffle, keeps for up to 5 ms).
+    if ticket and _try_lock(fd, fcntl.F_RDLCK, _FIRST, ticket):
+        return  # nobody ahead (no wait: one call)
     if ticket >= 2:
         _lock(fd, fcntl.F_RDLCK, _FIRST + ticket - 2, 1, wait=True)
     if ticket >= 3:
