@@ -18,6 +18,9 @@ three alike):
                direct connections only) instead of setting them in every transaction (the
                default, which works through PgBouncer): ``wq_sql / wq_startup`` is the price of
                one ``set_config(..., true)`` round trip per transaction.
+* ``wq_unqueued`` (SQLite, opt-in) ``wq_sql`` without the writers' queue (``WQ_SQL_SQLITE_FAIR=0``:
+               SQLite's busy handler alone): ``wq_sql / wq_unqueued`` is what the queue's first-come,
+               first-served hand-off costs (or gains) in throughput.
 
 Reported: items/s (sum over processes), ratio to ``raw``, p50/p99 latency of a round trip (a
 ``take()`` that went to the database; for raw, one round). Medians over repeats.
@@ -68,6 +71,7 @@ from _common import (  # noqa: E402
 from wq_sql import WorkQueue  # noqa: E402
 from wq_sql.claim import ClaimRound  # noqa: E402
 from wq_sql.dialects import Dialect  # noqa: E402
+from wq_sql.dialects.sqlite import FAIR_ENV  # noqa: E402
 from wq_sql.engine import make_engine, resolve_url  # noqa: E402
 
 QUEUE = "bench"
@@ -240,6 +244,9 @@ def _child(variant: str, url: str, n: int, name: str, ready: Any, go: Any, secon
 
     def one(name: str, ready: Any) -> Any:
         try:
+            if variant == "wq_unqueued":
+                os.environ[FAIR_ENV] = "0"  # read when the WorkQueue opens its database
+                return _run_wq(url, n, name, ready, go, seconds, False, **kw)
             if variant in ("wq_sql", "wq_startup"):
                 return _run_wq(url, n, name, ready, go, seconds, variant == "wq_startup", **kw)
             return _run_raw(url, variant, n, name, ready, go, seconds)
@@ -364,7 +371,8 @@ def run_once(tmpl: Template, variant: str, procs: int, n: int, seconds: float, t
         # client CPU (the loop's own thread, user + system) per item handed out
         cpu_us = sum(u for _, _, _, u in results) / max(1, items) * 1e6
         return {"items": items, "rate": rate, "cpu_us": cpu_us,
-                "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "rounds": len(lat)}
+                "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "max_ms": max(lat, default=0.0) * 1e3,
+                "rounds": len(lat)}
     finally:
         tmpl.discard(url)
 
@@ -432,11 +440,12 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
           "| target | verdict |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     extra: list[str] = []
+    queue_rows: list[str] = []
     for p in procs:
         for n in las:
             sel = {v: [r for r in runs if r["backend"] == backend and r["procs"] == p and r["lease_ahead"] == n
                        and r["variant"] == v] for v in variants}
-            med = {v: {k: median([r[k] for r in sel[v]]) for k in ("rate", "p50_ms", "p99_ms", "cpu_us")} for v in variants}
+            med = {v: {k: median([r[k] for r in sel[v]]) for k in ("rate", "p50_ms", "p99_ms", "max_ms", "cpu_us")} for v in variants}
             # the ratio of each repeat (same run), then the median of the ratios
             ratio = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw", []))])
             ratio_same = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw_same", []))])
@@ -445,6 +454,12 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
             def g(v: str, k: str, med: dict[str, dict[str, float]] = med) -> float:
                 return med.get(v, {}).get(k, float("nan"))
 
+            if "wq_unqueued" in variants:
+                cost = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel["wq_unqueued"])])
+                queue_rows.append(f"| {p} | {n} | {g('wq_unqueued', 'rate'):.0f} | {g('wq_sql', 'rate'):.0f} "
+                                  f"| {cost:.3f} | {g('wq_unqueued', 'p50_ms'):.2f} / {g('wq_unqueued', 'p99_ms'):.2f} "
+                                  f"/ {g('wq_unqueued', 'max_ms'):.1f} | {g('wq_sql', 'p50_ms'):.2f} / "
+                                  f"{g('wq_sql', 'p99_ms'):.2f} / {g('wq_sql', 'max_ms'):.1f} |")
             if "wq_startup" in variants:
                 cost = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel["wq_startup"])])
                 extra.append(f"| {p} | {n} | {g('wq_startup', 'rate'):.0f} | {g('wq_sql', 'rate'):.0f} | {cost:.3f} "
@@ -454,6 +469,13 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
                   f"| {g('raw', 'p50_ms'):.2f} / {g('raw', 'p99_ms'):.2f} "
                   f"| {g('wq_sql', 'cpu_us'):.0f} / {g('raw_same', 'cpu_us'):.0f} / {g('raw', 'cpu_us'):.0f} "
                   f"| >= {target} | {verdict} |")
+    if queue_rows:
+        print("\nSQLite's writers' queue (wq_sql, the default) against none (wq_unqueued, WQ_SQL_SQLITE_FAIR=0), "
+              "same run:\n")
+        print("| procs | lease_ahead | wq_unqueued items/s | wq_sql items/s | wq_sql / wq_unqueued "
+              "| wq_unqueued p50 / p99 / max ms | wq_sql p50 / p99 / max ms |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(queue_rows))
     if extra:
         print("\ntimeouts per transaction (wq_sql, the default) against startup options (wq_startup), "
               "same run:\n")

@@ -67,6 +67,7 @@ from _common import (  # noqa: E402
 )
 
 from wq_sql import QueueExhausted, WorkQueue  # noqa: E402
+from wq_sql.dialects.sqlite import FAIR_ENV  # noqa: E402
 from wq_sql.engine import resolve_url  # noqa: E402
 
 QUEUE = "scale"
@@ -422,7 +423,9 @@ def _advance(url: str, qid: int, have: int) -> float:
         eng.dispose()
 
 
-def _rollover_child(url: str, name: str, i: int, after: float, ready: Any, go: Any, out: Any) -> None:
+def _rollover_child(url: str, name: str, i: int, after: float, ready: Any, go: Any, out: Any,
+                    queue_on: bool = True) -> None:
+    os.environ[FAIR_ENV] = "1" if queue_on else "0"  # read when the WorkQueue opens its database
     wq = WorkQueue.attach(name, url=url, worker=f"r{i}", lease_ahead=1)
     rec: list[tuple[float, float, int]] = []
     ready.set()
@@ -466,12 +469,10 @@ def _watch_sessions(url: str, stop: Any, seen: list[tuple[float, str]]) -> None:
 
 
 def cmd_rollover(a: argparse.Namespace) -> None:
-    import threading
-    from collections import Counter
-
     from wq_sql.plan import epoch_order
 
     pg = a.backend == "postgresql"
+    variants = ["on"] if pg else {"on": ["on"], "off": ["off"], "ab": ["off", "on"]}[a.writers_queue]
     works = [f"s3://bucket/dataset/part-{i:07d}.parquet" for i in range(a.n)]
     with scratch(a.backend, a.pg, tag="rollover") as url:
         if pg:
@@ -513,43 +514,10 @@ def cmd_rollover(a: argparse.Namespace) -> None:
                 buf = io.StringIO()
                 pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(18)
                 prof = buf.getvalue()
-        # Part 2: the stall at the boundary. Epoch 0 all done but its last K items, epoch 1 made;
-        # workers drain the K items, cross into epoch 1, and that first claim makes epoch 2.
-        WorkQueue(works, num_epochs=3, shuffle=True, seed=7, name="rb", url=url, worker="creator").close()
-        qid = queue_id(url, "rb")
-        _advance(url, qid, 1)
-        eng = sa.create_engine(resolve_url(url))
-        with eng.begin() as c:
-            c.execute(sa.text("UPDATE wq_items SET state = 'done' WHERE queue_id = :q AND epoch = 0 AND seq < :s"),
-                      {"q": qid, "s": a.n - a.tail})
-        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
-            c.exec_driver_sql("VACUUM ANALYZE wq_items" if pg else "ANALYZE")
-        ctx = mp.get_context("fork")
-        go, out = ctx.Event(), ctx.Queue()
-        readies, ps = [], []
-        for i in range(a.procs):
-            r = ctx.Event()
-            p = ctx.Process(target=_rollover_child, args=(url, "rb", i, a.after, r, go, out))
-            p.start()
-            readies.append(r)
-            ps.append(p)
-        for r in readies:
-            r.wait(120)
-        seen: list[tuple[float, str]] = []
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch_sessions, args=(url, stop, seen), daemon=True)
-        if pg:
-            watcher.start()
-        load0 = os.getloadavg()[0]
-        go.set()
-        res = [out.get(timeout=3600) for _ in ps]
-        stop.set()
-        for p in ps:
-            p.join(60)
-        if pg:
-            watcher.join(10)
-        eng.dispose()
-    print(f"\n## epoch roll-over on a {a.n}-work queue ({a.backend}, load {load0:.1f} -> {os.getloadavg()[0]:.1f})\n")
+        # Part 2: the stall at the boundary, once per variant of SQLite's writers' queue (A/B, same run).
+        stalls = {v: _stall_run(a, url, works, pg, f"rb_{v}" if len(variants) > 1 else "rb", v == "on")
+                  for v in variants}
+    print(f"\n## epoch roll-over on a {a.n}-work queue ({a.backend})\n")
     if a.create_time:
         print(f"time to create one epoch ({a.n} item rows, one transaction), medians of {a.repeats}:\n")
         print("| variant | seconds | vs raw |")
@@ -559,6 +527,61 @@ def cmd_rollover(a: argparse.Namespace) -> None:
         print(f"\nof which `plan.epoch_order` (the shuffle, in Python): {perm:.2f}s")
     if prof:
         print("\ncProfile of one more `ops.advance_epoch` (cumulative):\n" + prof)
+    reports = {v: _stall_report(a, *stalls[v], queue_on=v == "on", pg=pg) for v in variants}
+    main_v = "on" if "on" in reports else variants[0]
+    dump(a.json, {"create": times, "perm": perm, **reports[main_v], "variants": reports})
+
+
+def _stall_run(a: argparse.Namespace, url: str, works: list[str], pg: bool, name: str,
+               queue_on: bool) -> tuple[list[Any], list[tuple[float, str]], float, float]:
+    """Epoch 0 all done but its last ``a.tail`` items, epoch 1 made; ``a.procs`` workers drain the
+    tail and cross into epoch 1, whose first claim makes epoch 2. ``queue_on``: SQLite's writers'
+    queue (``WQ_SQL_SQLITE_FAIR``). Returns each worker's claims, the sampled sessions and the
+    load before and after."""
+    import threading
+
+    WorkQueue(works, num_epochs=3, shuffle=True, seed=7, name=name, url=url, worker="creator").close()
+    qid = queue_id(url, name)
+    _advance(url, qid, 1)
+    eng = sa.create_engine(resolve_url(url))
+    with eng.begin() as c:
+        c.execute(sa.text("UPDATE wq_items SET state = 'done' WHERE queue_id = :q AND epoch = 0 AND seq < :s"),
+                  {"q": qid, "s": a.n - a.tail})
+    with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        c.exec_driver_sql("VACUUM ANALYZE wq_items" if pg else "ANALYZE")
+    ctx = mp.get_context("fork")
+    go, out = ctx.Event(), ctx.Queue()
+    readies, ps = [], []
+    for i in range(a.procs):
+        r = ctx.Event()
+        p = ctx.Process(target=_rollover_child, args=(url, name, i, a.after, r, go, out, queue_on))
+        p.start()
+        readies.append(r)
+        ps.append(p)
+    for r in readies:
+        r.wait(120)
+    seen: list[tuple[float, str]] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_sessions, args=(url, stop, seen), daemon=True)
+    if pg:
+        watcher.start()
+    load0 = os.getloadavg()[0]
+    go.set()
+    res = [out.get(timeout=3600) for _ in ps]
+    stop.set()
+    for p in ps:
+        p.join(60)
+    if pg:
+        watcher.join(10)
+    eng.dispose()
+    return res, seen, load0, os.getloadavg()[0]
+
+
+def _stall_report(a: argparse.Namespace, res: list[Any], seen: list[tuple[float, str]], load0: float,
+                  load1: float, *, queue_on: bool, pg: bool) -> dict[str, Any]:
+    from collections import Counter
+
+    which = "" if pg else f", SQLite writers' queue {'on' if queue_on else 'OFF (WQ_SQL_SQLITE_FAIR=0)'}"
     for i, _, err in res:
         if err:
             print(f"worker {i}: {err}")
@@ -571,7 +594,8 @@ def cmd_rollover(a: argparse.Namespace) -> None:
     med = pct(ref, 50)
     p99 = pct(around, 99)
     print(f"\nstall at the boundary, {a.procs} workers, lease-ahead 1, last {a.tail} items of epoch 0 then "
-          f"{a.after:.0f}s into epoch 1 (whose first claim makes epoch 2):\n")
+          f"{a.after:.0f}s into epoch 1 (whose first claim makes epoch 2){which}, load {load0:.1f} -> "
+          f"{load1:.1f}:\n")
     print("| claims | n | p50 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|")
     for label, xs in (("epoch 0, before the boundary (reference)", ref),
@@ -580,9 +604,10 @@ def cmd_rollover(a: argparse.Namespace) -> None:
         print(f"| {label} | {len(xs)} | {pct(xs, 50) * 1e3:.2f} | {pct(xs, 99) * 1e3:.2f} | "
               f"{max(xs, default=float('nan')) * 1e3:.1f} |")
     per_worker = {i: max((x[1] for x in r if x[0] >= tb - 1.0), default=0.0) for i, r, _ in res}
+    wi, wk = next((i, k) for i, r, _ in res for k, x in enumerate(r) if x == worst)
     print(f"\nlongest take() per worker around the boundary: "
           f"{', '.join(f'{v * 1e3:.0f} ms' for _, v in sorted(per_worker.items()))}; the longest of all "
-          f"started {worst[0] - tb:+.2f}s from the boundary")
+          f"started {worst[0] - tb:+.2f}s from the boundary (worker {wi}'s take() #{wk + 1})")
     verdict = "met" if worst[1] <= 10 * med else "MISSED"
     print(f"p99 around the boundary / median claim: x{p99 / med:.0f}; longest stall / median claim: "
           f"x{worst[1] / med:.0f} (target <= 10: {verdict})")
@@ -592,8 +617,9 @@ def cmd_rollover(a: argparse.Namespace) -> None:
         during = Counter(s for t_, s in seen if worst[0] <= t_ <= worst[0] + worst[1])
         for s, k in during.most_common(8):
             print(f"  {k:5d}  {s}")
-    dump(a.json, {"create": times, "perm": perm, "ref": ref, "around": around, "worst": worst,
-                  "per_worker": per_worker, "sessions": seen})
+    print(f"all claims: n {len(rec)}, p99 {pct([x[1] for x in rec], 99) * 1e3:.2f} ms, max {worst[1] * 1e3:.1f} ms")
+    return {"ref": ref, "around": around, "worst": worst, "per_worker": per_worker, "sessions": seen,
+            "loads": [load0, load1], "claims": {i: r for i, r, _ in res}}
 
 
 # ---------------------------------------------------------------- worker memory
@@ -671,6 +697,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-create-time", dest="create_time", action="store_false",
                     help="rollover: only the stall at the boundary, not the creation time against raw")
     ap.add_argument("--profile", action="store_true", help="rollover: cProfile one more epoch creation")
+    ap.add_argument("--writers-queue", default="on", choices=["on", "off", "ab"],
+                    help="rollover, SQLite: with the writers' queue (on), without (off: WQ_SQL_SQLITE_FAIR=0), "
+                         "or both in the same run (ab: off, then on)")
     ap.add_argument("--items", type=int, default=300, help="memory: items each worker takes")
     ap.add_argument("--no-rollover", dest="rollover", action="store_false",
                     help="memory: skip the worker whose first claim makes the next epoch")

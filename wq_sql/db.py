@@ -20,6 +20,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -64,6 +65,8 @@ class Db:
         self._in_outage: set[int] = set()  # threads retrying a lost connection right now
         self._busy: dict[int, float] = {}  # thread -> when its transaction (retries included) began
         self._gate = _TxGate()
+        # SQLite: this host's write transactions take the write lock in the order they asked.
+        self._writers = self.dialect.writer_queue(url)
         self._pid = os.getpid()
         self.closed = False
         _open_dbs.add(self)
@@ -86,7 +89,7 @@ class Db:
             with self._gate, self.engine.connect() as conn:
                 if read:
                     conn.execution_options(wq_read=True)
-                with conn.begin():
+                with nullcontext() if read else self._write_turn(), conn.begin():
                     return fn(conn)
         return self.retrying(once)
 
@@ -108,9 +111,15 @@ class Db:
         """Run ``fn`` on the driver's own connection in one write transaction (the claim round's
         hot path: ``engine.driver_transaction``), retried like :meth:`tx`."""
         def once() -> T:
-            with self._gate, driver_transaction(self.engine) as conn:
+            with self._gate, driver_transaction(self.engine, self._write_turn()) as conn:
                 return fn(conn)
         return self.retrying(once)
+
+    def _write_turn(self) -> AbstractContextManager[None]:
+        """Around one write transaction (one attempt: a retry asks again): SQLite's writers'
+        queue, taken after the connection is checked out and before ``BEGIN IMMEDIATE``, left
+        after its end (``Dialect.writer_queue``); nothing elsewhere."""
+        return self._writers.turn() if self._writers is not None else nullcontext()
 
     def retrying(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying what is transient (see the module docstring)."""
@@ -218,6 +227,8 @@ class Db:
         child of a fork, only drop them)."""
         self.closed = True
         _open_dbs.discard(self)
+        if self._writers is not None:
+            self._writers.close()
         self.engine.dispose(close=own and os.getpid() == self._pid)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Optional
 
 from sqlalchemy import Engine
@@ -117,14 +117,19 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
 
 
 @contextmanager
-def driver_transaction(engine: Engine) -> Iterator[Any]:
+def driver_transaction(engine: Engine,
+                       turn: Optional[AbstractContextManager[None]] = None) -> Iterator[Any]:
     """A write transaction on a pooled connection, used through the driver itself (sqlite3 or
     psycopg2): the claim round's hot path, where SQLAlchemy's per-connection and per-statement
     machinery cost as much as SQLite's own work (``bench/claim_throughput.py``). SQLite: ``BEGIN
     IMMEDIATE`` first, as for every write transaction here; psycopg2 begins on the first
     statement. Commits on success; rolls back otherwise. Driver errors come out as SQLAlchemy's
     ``DBAPIError`` (``connection_invalidated`` set, and the connection dropped from the pool, when
-    it is gone), as from ``Connection.execute``, so the callers' retry logic is the same."""
+    it is gone), as from ``Connection.execute``, so the callers' retry logic is the same.
+
+    ``turn``: held from after the connection is checked out (a turn held while waiting for a
+    pooled connection could wait for a thread that waits for the turn) until after the commit
+    or rollback: SQLite's writers' queue (``Dialect.writer_queue``)."""
     dialect = engine.dialect
     driver_error = dialect.loaded_dbapi.Error
     try:
@@ -136,25 +141,27 @@ def driver_transaction(engine: Engine) -> Iterator[Any]:
     begin = dialect_of(engine).begin_write
     tx = pooling.DriverTx.of(fairy, conn)  # Postgres: BEGIN and the timeouts in one round trip
     try:
-        if begin:
-            conn.execute(begin)
-        tx.begin()
-        yield conn
-        tx.commit()
-    except BaseException as e:
-        gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
-        if isinstance(e, DBAPIError):
-            gone = gone or e.connection_invalidated
-        if not gone:
+        with turn or nullcontext():  # the writers' queue: released after the commit or rollback
             try:
-                tx.rollback()
-            except driver_error:
-                gone = True
-        if gone:
-            fairy.invalidate(e if isinstance(e, Exception) else None)
-        if isinstance(e, driver_error):
-            raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
-        raise
+                if begin:
+                    conn.execute(begin)
+                tx.begin()
+                yield conn
+                tx.commit()
+            except BaseException as e:
+                gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
+                if isinstance(e, DBAPIError):
+                    gone = gone or e.connection_invalidated
+                if not gone:
+                    try:
+                        tx.rollback()
+                    except driver_error:
+                        gone = True
+                if gone:
+                    fairy.invalidate(e if isinstance(e, Exception) else None)
+                if isinstance(e, driver_error):
+                    raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+                raise
     finally:
         tx.close()
         fairy.close()

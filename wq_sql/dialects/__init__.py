@@ -81,6 +81,14 @@ class Dialect:
         return _pg.make_engine(url, schema=schema, statement_timeout=statement_timeout,
                                startup_options=startup_options, pool_size=pool_size)
 
+    def writer_queue(self, url: URL) -> Optional[_sqlite.WriterQueue]:
+        """SQLite: the queue that hands the write lock of the file ``url`` names to this host's
+        writers in the order they asked (``WriterQueue.turn()`` around each write transaction,
+        from before ``BEGIN IMMEDIATE`` to after its end); None on Postgres (row locks, no single
+        write lock), for an in-memory database, or where it cannot work (see
+        ``sqlite.writer_queue``)."""
+        return _sqlite.writer_queue(url) if self.is_sqlite else None
+
     def open_error(self, url: URL, e: DBAPIError, detail: str, shown: str, given: str) -> Optional[str]:
         """The one-line message, naming the fix, of ``e`` if it says that the database cannot be
         reached or opened; else None."""

@@ -4,10 +4,21 @@ of failing halfway with ``database is locked``) and what its open errors mean.""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import sqlite3
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
+
+try:
+    import fcntl
+except ImportError:  # Windows: no writers' queue
+    fcntl = None  # type: ignore[assignment]
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL
@@ -21,6 +32,7 @@ NETWORK_FILESYSTEMS = {
 }
 MIN_VERSION = (3, 35, 0)  # RETURNING
 MOUNTS = "/proc/mounts"  # where the filesystem of a folder is looked up
+log = logging.getLogger("wq_sql")
 
 
 def check_url(url: URL, shown: str) -> None:
@@ -128,3 +140,179 @@ def open_error(url: URL, detail: str, given: str) -> Optional[str]:
                 f"make the file and its folder writable (SQLite keeps {path.name}-wal and "
                 f"{path.name}-shm beside it)")
     return None
+
+
+# ---------------------------------------------------------------- the writers' queue
+
+FAIR_ENV = "WQ_SQL_SQLITE_FAIR"  # "0": no writers' queue, SQLite's busy handler alone (for A/B runs)
+TURNS_SUFFIX = "-wqturns"  # the lock file beside the database: <name>-wqturns
+_MUTEX = 0  # byte 0 of the lock file guards the ticket counter, stored in its first 8 bytes
+_FIRST = 1  # ticket t waits and holds its turn on byte _FIRST + t (a lock range, not file content)
+_FLOCK = struct.Struct("hhqqi")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD)
+_warned: set[str] = set()
+_held = threading.local()  # the lock files whose turn this thread holds (nested transactions)
+
+
+class WriterQueue:
+    """A first-come, first-served queue of the write transactions of every process on this host,
+    in front of ``BEGIN IMMEDIATE``: :meth:`turn` returns when every write transaction that asked
+    before it has ended, so SQLite's single write lock is free when it is taken (SQLite's busy
+    handler is unfair: a waiter sleeps with backoff, up to 100 ms, and newcomers barge past it,
+    so under a saturated lock a few writes waited hundreds of ms).
+
+    A ticket lock on open-file-description (OFD) byte-range locks of ``<db>-wqturns``: under the
+    lock on byte 0, a writer reads the ticket counter t from the file, locks byte ``1 + t`` (its
+    turn) and writes t + 1; then it waits, woken by the kernel, until every byte below is free
+    (every turn before its own has ended, or its writer died), the byte ``t`` of the writer just
+    ahead last. Ending the turn unlocks what its descriptor holds. The kernel drops the locks of a
+    process that dies, killed or not, so a dead writer never holds the others; and OFD locks
+    belong to an open file, not to a process, so every wait uses a descriptor of its own and the
+    threads of one process queue like processes. Read-only transactions never ask for a turn."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pid = os.getpid()
+        self._idle: list[int] = []  # descriptors of the lock file, holding no lock
+        self._mu = threading.Lock()
+        self._closed = False
+        self._off = False  # the lock file cannot be used: no turns
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold this writer's turn: enter before ``BEGIN IMMEDIATE``, leave after ``COMMIT`` or
+        ``ROLLBACK``. A thread that holds the turn already (a transaction inside another) gets
+        it again at once: waiting would wait for itself."""
+        held: set[str] = _held.__dict__.setdefault("files", set())
+        key = str(self.path)
+        if key in held:
+            yield
+            return
+        fd = self._descriptor()
+        if fd is not None:
+            try:
+                _take_turn(fd)
+            except OSError as e:  # e.g. ENOLCK, EINVAL (no OFD locks): go on without a turn
+                os.close(fd)  # closing drops every lock it holds
+                self._give_up(e)
+                fd = None
+            except BaseException:
+                os.close(fd)
+                raise
+        if fd is None:  # no lock file: SQLite's busy handler alone
+            yield
+            return
+        held.add(key)
+        try:
+            yield
+        finally:
+            held.discard(key)
+            self._give_back(fd)
+
+    def _descriptor(self) -> Optional[int]:
+        with self._mu:
+            if self._off:
+                return None
+            if self._pid != os.getpid():  # a fork: the inherited descriptors share the parent's
+                for fd in self._idle:      # open files (closing them here leaves the parent's)
+                    os.close(fd)
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as e:  # a read-only folder, ...
+            self._give_up(e)
+            return None
+
+    def _give_up(self, e: OSError) -> None:
+        """One WARNING per lock file and process; from now on this queue hands out no turns."""
+        with self._mu:
+            self._off = True
+            if str(self.path) in _warned:
+                return
+            _warned.add(str(self.path))
+        log.warning("SQLite writers of %s wait in SQLite's busy handler, where a few waits can last "
+                    "hundreds of ms under a saturated write lock: the lock file %s that queues them "
+                    "in order cannot be used (%s); make its folder writable",
+                    self.path.with_name(self.path.name[:-len(TURNS_SUFFIX)]), self.path, e.strerror or e)
+
+    def _give_back(self, fd: int) -> None:
+        try:
+            _lock(fd, fcntl.F_UNLCK, 0, 0)  # the whole file: this writer's byte
+        except OSError:
+            os.close(fd)
+            return
+        with self._mu:
+            if self._pid == os.getpid() and not self._closed:
+                self._idle.append(fd)
+                return
+        os.close(fd)
+
+    def close(self) -> None:
+        """Close the idle descriptors (a turn in progress closes its own when it ends)."""
+        with self._mu:
+            self._closed = True
+            idle, self._idle = (self._idle, []) if self._pid == os.getpid() else ([], [])
+        for fd in idle:
+            os.close(fd)
+
+
+def _lock(fd: int, kind: int, start: int, length: int, wait: bool = False) -> None:
+    """An OFD lock (``kind``: F_RDLCK, F_WRLCK or F_UNLCK) on ``length`` bytes from ``start``
+    (0: to the end of the file and beyond); ``wait``: block until it is granted."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
+                _FLOCK.pack(kind, os.SEEK_SET, start, length, 0) + bytes(8))
+
+
+def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """:func:`_lock` without waiting: False if another descriptor holds a conflicting lock."""
+    try:
+        _lock(fd, kind, start, length)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _take_turn(fd: int) -> None:
+    _lock(fd, fcntl.F_WRLCK, _MUTEX, 1, wait=True)
+    try:
+        raw = os.pread(fd, 8, 0)
+        ticket = int.from_bytes(raw, "little") if len(raw) == 8 else 0
+        # Nobody holds this byte unless the file was reset under live writers: then wait for them.
+        _lock(fd, fcntl.F_WRLCK, _FIRST + ticket, 1, wait=True)
+        os.pwrite(fd, (ticket + 1).to_bytes(8, "little"), 0)
+    finally:
+        _lock(fd, fcntl.F_UNLCK, _MUTEX, 1)
+    # Read locks wait for the write locks of the turns without conflicting with other waiters;
+    # they stay until this turn ends (no writer locks those bytes again). First the writer two
+    # ahead, then every one before it (at once, unless one died while waiting: its byte was free
+    # before its turn came), then the one just ahead: so the moment that one's turn ends, this
+    # one's begins, with no further call (each call lets the process's other threads take the
+    # GIL, which a busy one, e.g. the epoch maker's shuffle, keeps for up to 5 ms).
+    if ticket and _try_lock(fd, fcntl.F_RDLCK, _FIRST, ticket):
+        return  # nobody ahead (no wait: one call)
+    if ticket >= 2:
+        _lock(fd, fcntl.F_RDLCK, _FIRST + ticket - 2, 1, wait=True)
+    if ticket >= 3:
+        _lock(fd, fcntl.F_RDLCK, _FIRST, ticket - 2, wait=True)
+    if ticket >= 1:
+        _lock(fd, fcntl.F_RDLCK, _FIRST + ticket - 1, 1, wait=True)
+
+
+def writer_queue(url: URL) -> Optional[WriterQueue]:
+    """The writers' queue of the SQLite file ``url`` names; None for an in-memory database, a
+    file on a network filesystem (a lock of a dead host lingers there), a platform without OFD
+    locks or ``WQ_SQL_SQLITE_FAIR=0``. The lock file is made at the first write transaction; if
+    it cannot be (a read-only folder), one WARNING, and the writers wait in SQLite's busy
+    handler, as before."""
+    db = url.database
+    if not db or db == ":memory:" or db.startswith("file:") or os.environ.get(FAIR_ENV, "1") == "0":
+        return None
+    if fcntl is None or not hasattr(fcntl, "F_OFD_SETLKW"):  # Linux >= 3.15 only
+        return None
+    path = Path(db).expanduser().resolve()
+    if mount_fstype(path.parent) in NETWORK_FILESYSTEMS:
+        return None
+    return WriterQueue(path.with_name(path.name + TURNS_SUFFIX))
