@@ -157,11 +157,12 @@ class Refiller:
         self._thread.start()
 
     def schedule(self, pace: Pace) -> None:
-        """A hand-out happened: claim the next item when it is about to be wanted."""
-        if pace.last is None:
-            return
+        """A hand-out happened: claim the next item when it is about to be wanted. Nothing
+        before the pace is known (two hand-outs): a worker that took one item holds one."""
         fastest = pace.fastest
-        ahead = 0.0 if fastest is None else max(0.0, fastest - 2 * self.round_trip)
+        if pace.last is None or fastest is None:
+            return
+        ahead = max(0.0, fastest - 2 * self.round_trip)
         with self._wake:
             self._due = pace.last + ahead
             self._wake.notify()
