@@ -3,7 +3,7 @@
     .venv/bin/python bench/torch_loader.py throughput --backend sqlite          # 1,000 files x 100 records
     .venv/bin/python bench/torch_loader.py throughput --backend postgresql --lease-ahead 64 256
     .venv/bin/python bench/torch_loader.py throughput --persistent --epochs 5   # the steady state
-    .venv/bin/python bench/torch_loader.py throughput --consumed checkpoint    # with state_dict() saves
+    .venv/bin/python bench/torch_loader.py throughput --consumed trained checkpoint  # state_dict() saves
     .venv/bin/python bench/torch_loader.py long-tail --backend postgresql       # 4 ranks, one 4x slower
 
 ``throughput``: records/s of ``wq_sql.torch.DataLoader(QueueDataset(files, read=read_lines),
@@ -110,29 +110,33 @@ def throughput(a: argparse.Namespace) -> None:
         workers["persistent_workers"] = True
     print(f"== throughput: {a.files} files x {a.lines} records, {a.epochs} epoch(s) per run, DataLoader("
           f"num_workers={a.workers}, batch_size={a.batch}{', persistent_workers=True' if a.persistent else ''}), "
-          f"{a.runs} runs per side, backend {a.backend}, consumed={a.consumed!r}"
-          + (f" (state_dict() every {a.save_every} batches)" if a.consumed == "checkpoint" else ""))
+          f"{a.runs} runs per side, backend {a.backend}, consumed={' and '.join(map(repr, a.consumed))}"
+          + (f" (state_dict() every {a.save_every} batches)" if "checkpoint" in a.consumed else ""))
     with scratch(a.backend, a.pg, "torch") as url:
         rows = []
         for la in a.lease_ahead:
             static_s: list[float] = []
-            queue_s: list[float] = []
-            for _ in range(a.runs):
+            queue_s: dict[str, list[float]] = {c: [] for c in a.consumed}
+            for _ in range(a.runs):  # interleaved: static, then each consumed= in turn
                 static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs, records))
-                name = f"tp_{uuid.uuid4().hex[:8]}"
-                ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
-                                  lease_ahead=la, worker="bench", consumed=a.consumed)
-                save_every = a.save_every if a.consumed == "checkpoint" else 0
-                queue_s.append(timed_passes(DataLoader(ds, **workers), a.epochs, records, save_every))
-                ds.close()
-                wq_sql.drop_queue(name, url)
-            ms, mq = statistics.median(static_s), statistics.median(queue_s)
-            rows.append((la, ms, mq, min(static_s), min(queue_s)))
-        print(f"{'lease_ahead':>11}  {'static (median)':>15}  {'wq_sql (median)':>15}  {'ratio':>6}  "
-              f"{'ratio of best runs':>18}  {'records/s wq_sql':>16}")
-        for la, ms, mq, bs, bq in rows:
-            print(f"{la:>11}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  {bs / bq:>17.2f}x  "
-                  f"{records * a.epochs / mq:>16,.0f}")
+                for consumed in a.consumed:
+                    name = f"tp_{uuid.uuid4().hex[:8]}"
+                    ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
+                                      lease_ahead=la, worker="bench", consumed=consumed)
+                    save_every = a.save_every if consumed == "checkpoint" else 0
+                    queue_s[consumed].append(timed_passes(DataLoader(ds, **workers), a.epochs, records,
+                                                          save_every))
+                    ds.close()
+                    wq_sql.drop_queue(name, url)
+            ms = statistics.median(static_s)
+            for consumed, times in queue_s.items():
+                mq = statistics.median(times)
+                rows.append((la, consumed, ms, mq, min(static_s), min(times)))
+        print(f"{'lease_ahead':>11}  {'consumed':>10}  {'static (median)':>15}  {'wq_sql (median)':>15}  "
+              f"{'ratio':>6}  {'ratio of best runs':>18}  {'records/s wq_sql':>16}")
+        for la, consumed, ms, mq, bs, bq in rows:
+            print(f"{la:>11}  {consumed:>10}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  "
+                  f"{bs / bq:>17.2f}x  {records * a.epochs / mq:>16,.0f}")
 
 
 # ---------------------------------------------------------------- long tail
@@ -253,7 +257,8 @@ def main() -> None:
     tp.add_argument("--batch", type=int, default=256)
     tp.add_argument("--lease-ahead", type=int, nargs="+", default=[64])
     tp.add_argument("--persistent", action="store_true")
-    tp.add_argument("--consumed", choices=["trained", "checkpoint"], default="trained")
+    tp.add_argument("--consumed", choices=["trained", "checkpoint"], nargs="+", default=["trained"],
+                    help="both: each run measures them in turn (checkpoint mode's cost, same run)")
     tp.add_argument("--save-every", type=int, default=50, help="batches between state_dict() (checkpoint)")
     lt = sub.choices["long-tail"]
     lt.add_argument("--files", type=int, default=400)
