@@ -13,6 +13,9 @@ run, alternating, each wq_sql run on a fresh queue (creating it is not timed, as
 ``bench/tf_textline.py``). Each run is ``--epochs`` passes, timed from ``iter(loader)`` to the end
 of the last pass, so the DataLoader workers' start (and each worker process opening the queue)
 is inside the time, as users pay it. Ratio = median(static seconds) / median(wq_sql seconds).
+The CPU column: median milliseconds of CPU (user + system) of the main process and of the
+DataLoader workers per run (on 2 cores the static loader is CPU-bound, so what wq_sql adds in
+CPU, anywhere, is what its time adds).
 
 ``long-tail``: ``--ranks`` processes with torchrun's environment (gloo for the start line and
 the results), the last one 4x slower per batch (a sleep: its GPU, or its machine, is slower), no
@@ -31,14 +34,17 @@ shared and have 2 cores: read ratios from the same run, not absolute numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,26 +123,53 @@ def throughput(a: argparse.Namespace) -> None:
         for la in a.lease_ahead:
             static_s: list[float] = []
             queue_s: dict[str, list[float]] = {c: [] for c in a.consumed}
+            cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed]}
             for _ in range(a.runs):  # interleaved: static, then each consumed= in turn
-                static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs, records))
+                with cpu_into(cpu["static"]):
+                    static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs,
+                                                 records))
                 for consumed in a.consumed:
                     name = f"tp_{uuid.uuid4().hex[:8]}"
                     ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
                                       lease_ahead=la, worker="bench", consumed=consumed)
                     save_every = a.save_every if consumed == "checkpoint" else 0
-                    queue_s[consumed].append(timed_passes(DataLoader(ds, **workers), a.epochs, records,
-                                                          save_every))
+                    with cpu_into(cpu[consumed]):
+                        queue_s[consumed].append(timed_passes(DataLoader(ds, **workers), a.epochs, records,
+                                                              save_every))
                     ds.close()
                     wq_sql.drop_queue(name, url)
             ms = statistics.median(static_s)
             for consumed, times in queue_s.items():
                 mq = statistics.median(times)
-                rows.append((la, consumed, ms, mq, min(static_s), min(times)))
+                rows.append((la, consumed, ms, mq, min(static_s), min(times), median_cpu(cpu["static"]),
+                             median_cpu(cpu[consumed])))
         print(f"{'lease_ahead':>11}  {'consumed':>10}  {'static (median)':>15}  {'wq_sql (median)':>15}  "
-              f"{'ratio':>6}  {'ratio of best runs':>18}  {'records/s wq_sql':>16}")
-        for la, consumed, ms, mq, bs, bq in rows:
+              f"{'ratio':>6}  {'ratio of best runs':>18}  {'records/s wq_sql':>16}  "
+              "CPU ms main+workers, static / wq_sql")
+        for la, consumed, ms, mq, bs, bq, cs, cq in rows:
             print(f"{la:>11}  {consumed:>10}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  "
-                  f"{bs / bq:>17.2f}x  {records * a.epochs / mq:>16,.0f}")
+                  f"{bs / bq:>17.2f}x  {records * a.epochs / mq:>16,.0f}  "
+                  f"{cs[0]:.0f}+{cs[1]:.0f} / {cq[0]:.0f}+{cq[1]:.0f}")
+        if a.persistent:
+            print("(persistent workers are reaped after the run: their CPU is not in the workers' column)")
+
+
+@contextlib.contextmanager
+def cpu_into(out: list[tuple[float, float]]) -> Iterator[None]:
+    """CPU milliseconds (user + system) of this process and of its reaped children (the DataLoader
+    workers, joined at the end of a pass unless persistent) during the block: the machine has 2
+    cores, so CPU added anywhere shows in the wall time."""
+    def children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    main, kids = time.process_time(), children()
+    yield
+    out.append(((time.process_time() - main) * 1000, (children() - kids) * 1000))
+
+
+def median_cpu(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(m for m, _ in samples), statistics.median(k for _, k in samples)
 
 
 # ---------------------------------------------------------------- long tail
