@@ -3,7 +3,7 @@
     .venv/bin/python bench/torch_loader.py throughput --backend sqlite          # 1,000 files x 100 records
     .venv/bin/python bench/torch_loader.py throughput --backend postgresql --lease-ahead 64 256
     .venv/bin/python bench/torch_loader.py throughput --persistent --epochs 5   # the steady state
-    .venv/bin/python bench/torch_loader.py throughput --consumed checkpoint    # with state_dict() saves
+    .venv/bin/python bench/torch_loader.py throughput --consumed trained checkpoint  # state_dict() saves
     .venv/bin/python bench/torch_loader.py long-tail --backend postgresql       # 4 ranks, one 4x slower
 
 ``throughput``: records/s of ``wq_sql.torch.DataLoader(QueueDataset(files, read=read_lines),
@@ -13,6 +13,9 @@ run, alternating, each wq_sql run on a fresh queue (creating it is not timed, as
 ``bench/tf_textline.py``). Each run is ``--epochs`` passes, timed from ``iter(loader)`` to the end
 of the last pass, so the DataLoader workers' start (and each worker process opening the queue)
 is inside the time, as users pay it. Ratio = median(static seconds) / median(wq_sql seconds).
+The CPU column: median milliseconds of CPU (user + system) of the main process and of the
+DataLoader workers per run (on 2 cores the static loader is CPU-bound, so what wq_sql adds in
+CPU, anywhere, is what its time adds).
 
 ``long-tail``: ``--ranks`` processes with torchrun's environment (gloo for the start line and
 the results), the last one 4x slower per batch (a sleep: its GPU, or its machine, is slower), no
@@ -22,21 +25,26 @@ first through ``DistributedSampler`` (static: every rank the same number of file
 wq_sql, ``--epochs`` passes each. Makespan = last rank's end - the common start, measured for
 both; ideal = the batches' sleep time shared perfectly (total work / total speed), which leaves
 out what both sides pay to start (the slowest rank's first batch, static/wq_sql, is printed: the
-DataLoader workers' start and, for wq_sql, each worker opening the queue). The machines
-here are shared and have 2 cores: read ratios from the same run, not absolute numbers.
+DataLoader workers' start and, for wq_sql, each worker opening the queue). "ideal (steps as
+run)": the same with each rank's steps as long as its sleeps really took in the wq_sql run (a
+loaded machine wakes a sleep late, which is not the loader's doing). The machines here are
+shared and have 2 cores: read ratios from the same run, not absolute numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,29 +116,60 @@ def throughput(a: argparse.Namespace) -> None:
         workers["persistent_workers"] = True
     print(f"== throughput: {a.files} files x {a.lines} records, {a.epochs} epoch(s) per run, DataLoader("
           f"num_workers={a.workers}, batch_size={a.batch}{', persistent_workers=True' if a.persistent else ''}), "
-          f"{a.runs} runs per side, backend {a.backend}, consumed={a.consumed!r}"
-          + (f" (state_dict() every {a.save_every} batches)" if a.consumed == "checkpoint" else ""))
+          f"{a.runs} runs per side, backend {a.backend}, consumed={' and '.join(map(repr, a.consumed))}"
+          + (f" (state_dict() every {a.save_every} batches)" if "checkpoint" in a.consumed else ""))
     with scratch(a.backend, a.pg, "torch") as url:
         rows = []
         for la in a.lease_ahead:
             static_s: list[float] = []
-            queue_s: list[float] = []
-            for _ in range(a.runs):
-                static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs, records))
-                name = f"tp_{uuid.uuid4().hex[:8]}"
-                ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
-                                  lease_ahead=la, worker="bench", consumed=a.consumed)
-                save_every = a.save_every if a.consumed == "checkpoint" else 0
-                queue_s.append(timed_passes(DataLoader(ds, **workers), a.epochs, records, save_every))
-                ds.close()
-                wq_sql.drop_queue(name, url)
-            ms, mq = statistics.median(static_s), statistics.median(queue_s)
-            rows.append((la, ms, mq, min(static_s), min(queue_s)))
-        print(f"{'lease_ahead':>11}  {'static (median)':>15}  {'wq_sql (median)':>15}  {'ratio':>6}  "
-              f"{'ratio of best runs':>18}  {'records/s wq_sql':>16}")
-        for la, ms, mq, bs, bq in rows:
-            print(f"{la:>11}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  {bs / bq:>17.2f}x  "
-                  f"{records * a.epochs / mq:>16,.0f}")
+            queue_s: dict[str, list[float]] = {c: [] for c in a.consumed}
+            cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed]}
+            for _ in range(a.runs):  # interleaved: static, then each consumed= in turn
+                with cpu_into(cpu["static"]):
+                    static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs,
+                                                 records))
+                for consumed in a.consumed:
+                    name = f"tp_{uuid.uuid4().hex[:8]}"
+                    ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
+                                      lease_ahead=la, worker="bench", consumed=consumed)
+                    save_every = a.save_every if consumed == "checkpoint" else 0
+                    with cpu_into(cpu[consumed]):
+                        queue_s[consumed].append(timed_passes(DataLoader(ds, **workers), a.epochs, records,
+                                                              save_every))
+                    ds.close()
+                    wq_sql.drop_queue(name, url)
+            ms = statistics.median(static_s)
+            for consumed, times in queue_s.items():
+                mq = statistics.median(times)
+                rows.append((la, consumed, ms, mq, min(static_s), min(times), median_cpu(cpu["static"]),
+                             median_cpu(cpu[consumed])))
+        print(f"{'lease_ahead':>11}  {'consumed':>10}  {'static (median)':>15}  {'wq_sql (median)':>15}  "
+              f"{'ratio':>6}  {'ratio of best runs':>18}  {'records/s wq_sql':>16}  "
+              "CPU ms main+workers, static / wq_sql")
+        for la, consumed, ms, mq, bs, bq, cs, cq in rows:
+            print(f"{la:>11}  {consumed:>10}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  "
+                  f"{bs / bq:>17.2f}x  {records * a.epochs / mq:>16,.0f}  "
+                  f"{cs[0]:.0f}+{cs[1]:.0f} / {cq[0]:.0f}+{cq[1]:.0f}")
+        if a.persistent:
+            print("(persistent workers are reaped after the run: their CPU is not in the workers' column)")
+
+
+@contextlib.contextmanager
+def cpu_into(out: list[tuple[float, float]]) -> Iterator[None]:
+    """CPU milliseconds (user + system) of this process and of its reaped children (the DataLoader
+    workers, joined at the end of a pass unless persistent) during the block: the machine has 2
+    cores, so CPU added anywhere shows in the wall time."""
+    def children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    main, kids = time.process_time(), children()
+    yield
+    out.append(((time.process_time() - main) * 1000, (children() - kids) * 1000))
+
+
+def median_cpu(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(m for m, _ in samples), statistics.median(k for _, k in samples)
 
 
 # ---------------------------------------------------------------- long tail
@@ -155,8 +194,8 @@ def rank_main(job: dict[str, Any]) -> None:
     workers = {"num_workers": job["workers"], "persistent_workers": True, "prefetch_factor": job["prefetch"]}
     files = job["files"]
 
-    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int, float]:
-        n, first = 0, 0.0
+    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int, float, float]:
+        n, first, slept = 0, 0.0, 0.0
         dist.barrier()
         start = time.time()
         for epoch in range(job["epochs"]):
@@ -164,9 +203,11 @@ def rank_main(job: dict[str, Any]) -> None:
                 set_epoch(epoch)
             for _ in loader:
                 first = first or time.time()
+                t = time.perf_counter()
                 time.sleep(seconds)
+                slept += time.perf_counter() - t
                 n += 1
-        return start, time.time(), n, first - start
+        return start, time.time(), n, first - start, slept
 
     sampler = torch.utils.data.DistributedSampler(Files(files), shuffle=True, seed=1)
     static = run(TorchLoader(Files(files), batch_size=None, sampler=sampler, **workers), sampler.set_epoch)
@@ -190,7 +231,8 @@ def long_tail(a: argparse.Namespace) -> None:
           f"{a.epochs} epochs, DataLoader(num_workers={a.workers}, prefetch_factor={a.prefetch}, persistent), "
           f"lease_ahead={a.lease_ahead}, backend {a.backend}, {a.runs} run(s)")
     print(f"{'run':>3}  {'DistributedSampler':>18}  {'wq_sql':>8}  {'ideal':>6}  {'wq_sql/ideal':>12}  "
-          f"{'static/ideal':>12}  {'first batch':>11}  files per rank (wq_sql)")
+          f"{'static/ideal':>12}  {'first batch':>11}  {'ideal (steps as run)':>20}  {'wq_sql/that':>11}  "
+          "files per rank (wq_sql)")
     with scratch(a.backend, a.pg, "torchlt") as url:
         for run in range(a.runs):
             queue = f"lt_{uuid.uuid4().hex[:8]}"
@@ -213,9 +255,13 @@ def long_tail(a: argparse.Namespace) -> None:
             ideal = len(files) * a.epochs / sum(1 / r["seconds"] for r in results)
             counts = [r["queue"][2] for r in results]
             first = {k: max(r[k][3] for r in results) for k in ("static", "queue")}
+            # The same ideal with each rank's steps as long as they really were in the wq_sql run
+            # (a loaded machine wakes a sleep late): what is left above it is the loader's.
+            as_run = len(files) * a.epochs / sum(r["queue"][2] / r["queue"][4] for r in results)
             print(f"{run:>3}  {span['static']:>16.2f} s  {span['queue']:>6.2f} s  {ideal:>4.2f} s  "
                   f"{span['queue'] / ideal:>11.2f}x  {span['static'] / ideal:>11.2f}x  "
-                  f"{first['static']:.2f}/{first['queue']:.2f} s  {counts}")
+                  f"{first['static']:.2f}/{first['queue']:.2f} s  {as_run:>18.2f} s  "
+                  f"{span['queue'] / as_run:>10.2f}x  {counts}")
 
 
 def _free_port() -> int:
@@ -244,7 +290,8 @@ def main() -> None:
     tp.add_argument("--batch", type=int, default=256)
     tp.add_argument("--lease-ahead", type=int, nargs="+", default=[64])
     tp.add_argument("--persistent", action="store_true")
-    tp.add_argument("--consumed", choices=["trained", "checkpoint"], default="trained")
+    tp.add_argument("--consumed", choices=["trained", "checkpoint"], nargs="+", default=["trained"],
+                    help="both: each run measures them in turn (checkpoint mode's cost, same run)")
     tp.add_argument("--save-every", type=int, default=50, help="batches between state_dict() (checkpoint)")
     lt = sub.choices["long-tail"]
     lt.add_argument("--files", type=int, default=400)

@@ -2,7 +2,8 @@
 run, the whole job is SIGKILLed, and it restarts with 1 rank, the same ``TORCHELASTIC_RUN_ID``
 and a higher ``TORCHELASTIC_RESTART_COUNT``. Rank 1's identities never come back; their items,
 and all the others the old incarnation held, are claimable as soon as the new rank joins (not
-after a heartbeat look or the lease), and every record is trained."""
+after a heartbeat look or the lease), and every record is trained; in checkpoint mode, once
+against the old ranks' last checkpoints."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch_support import finish, free_port, read_log, sql, start_rank, write_files
+from torch_support import HERE, finish, free_port, read_log, sql, start_rank, write_files
 
 from wq_sql import InvalidInput, WorkQueue
+
+TRAINER = HERE / "torch_ckpt_trainer.py"
 
 
 def when(value: Any) -> dt.datetime:
@@ -95,3 +98,87 @@ def test_run_is_checked(db_url: str) -> None:
     for bad in [("", 0), ("job", -1), ("job", True), "job", ("job", 1, 2)]:
         with pytest.raises(InvalidInput, match="run must be"):
             WorkQueue(["a"], url=db_url, run=bad)  # type: ignore[arg-type]
+
+
+def test_checkpoint_mode_job_restarted_with_one_rank_less_trains_each_record_once(db_url: str,
+                                                                                 tmp_path: Path) -> None:
+    """``consumed="checkpoint"``: 2 ranks (DataLoader ``num_workers=2`` each) save their loader
+    state every 5 steps, train 2 steps past the save at step 10 and are SIGKILLed; the job
+    restarts with 1 rank (same ``TORCHELASTIC_RUN_ID``, restart 1), which resumes from rank 0's
+    checkpoint. Against each old rank's last checkpoint every record is trained once: what a
+    checkpoint covered is never trained again, what it did not (trained after it, read ahead,
+    rank 1's whole share) is trained by the new rank; twice only the first records of an item
+    that straddled a save (at most one per DataLoader worker and rank)."""
+    files, lines = write_files(tmp_path / "data", 60, 6)
+    log, ckpt = tmp_path / "log", tmp_path / "ckpt.pt"
+    job = {"url": db_url, "queue": "resize", "files": files, "num_epochs": 1, "num_workers": 2,
+           "batch_size": 4, "every": 5, "hold_at": 12, "step_seconds": 0.02, "log": str(log),
+           "ckpt": str(ckpt), "per_rank": True,
+           # Heartbeats and leases far longer than the test: only the restart brings items back.
+           "options": {"heartbeat_seconds": 60, "lease_seconds": 300, "max_attempts": 100}}
+    port = free_port()
+    ranks = [start_rank(job, r, 2, port, restart=0, script=TRAINER) for r in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(any("holding" in e for e in read_log(Path(f"{log}.rank{r}"))) for r in (0, 1)):
+        assert time.monotonic() < deadline, "the ranks did not reach step 12"
+        for p in ranks:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    for p in ranks:
+        os.killpg(p.pid, signal.SIGKILL)
+    for p in ranks:
+        p.wait()
+    time.sleep(0.1)
+    covered = {Path(w).name for (w,) in sql(db_url, "SELECT work FROM wq_audit WHERE queue = 'resize' "
+                                                     "AND state = 'done'")}
+    held_by_rank1 = [i for i, w in sql(db_url, "SELECT item_id, worker FROM wq_audit WHERE queue = 'resize' "
+                                               "AND state = 'claimed'") if w.startswith("test/rank1")]
+    old = [read_log(Path(f"{log}.rank{r}")) for r in (0, 1)]
+    # What each old rank's last checkpoint (step 10) covered: the items whose every record was
+    # in its batches up to step 10, and nothing else.
+    upto10 = [[r for e in entries if e.get("step", 99) <= 10 for r in e["records"]] for entries in old]
+    assert covered == set().union(*(whole(records) for records in upto10))
+    assert held_by_rank1, "rank 1 held nothing at the kill"
+
+    started = time.monotonic()
+    finish(start_rank({**job, "hold_at": None}, 0, 1, port, restart=1, script=TRAINER), timeout=120)
+    took = time.monotonic() - started
+    runs = [e for e in read_log(Path(f"{log}.rank0")) if "restored" in e]
+    assert [r["restored"] for r in runs] == [0, 10]
+    entries = read_log(Path(f"{log}.rank0"))
+    again = [r for e in entries[entries.index(runs[1]):] if "records" in e for r in e["records"]]
+    assert not {item(r) for r in again} & covered, "an item a checkpoint covered was trained again"
+
+    # Each old rank's batches up to its last checkpoint, then the new rank's: every record; twice
+    # only records of items that straddled step 10 (their first records before it).
+    timeline = Counter(upto10[0] + upto10[1] + again)
+    assert set(timeline) == {f"{line}@e0" for line in lines}, "records lost for the model"
+    twice = {item(r) for r, n in timeline.items() if n > 1}
+    assert len(twice) <= 2 * 2, twice
+    # SQL: every item done once, each by a checkpoint; rank 1's items went back when the new rank
+    # joined (one 'expire' event each, saying the run restarted), not after the 300 s lease.
+    assert [tuple(r) for r in sql(db_url, "SELECT state, count(*) FROM wq_audit WHERE queue = 'resize' "
+                                          "GROUP BY state")] == [("done", 60)]
+    assert sql(db_url, "SELECT count(*) FROM wq_items i JOIN wq_queues q ON q.id = i.queue_id "
+                       "WHERE q.name = 'resize' AND i.ckpt_step IS NULL") == [(0,)]
+    assert sql(db_url, "SELECT epoch, seq FROM wq_history WHERE queue = 'resize' AND kind = 'done' "
+                       "GROUP BY epoch, seq HAVING count(*) <> 1") == []
+    why = "job run 'test' restarted (restart 1): its earlier processes are gone"
+    expired = {i for i, d in sql(db_url, "SELECT item_id, detail FROM wq_history WHERE queue = 'resize' "
+                                         "AND kind = 'expire'") if d == why}
+    assert set(held_by_rank1) <= expired
+    assert took < 60
+    print(f"\n{len(covered)} items covered by the old ranks' checkpoints, {len(held_by_rank1)} held by "
+          f"rank 1 at the kill; the new rank trained {len(again)} records in {took:.1f} s; "
+          f"{len(twice)} items straddled a save")
+
+
+def item(record: str) -> str:
+    """``f0012-003@e0`` -> ``part-0012.txt``."""
+    return f"part-{record[1:5]}.txt"
+
+
+def whole(records: list[str]) -> set[str]:
+    """The files every record (6 per file) of which is in ``records``."""
+    per_file = Counter(item(r) for r in set(records))
+    return {name for name, n in per_file.items() if n == 6}

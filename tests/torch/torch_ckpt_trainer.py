@@ -7,7 +7,12 @@ It trains a one-weight model on the records of a ``QueueDataset(consumed="checkp
 temporary file, then renamed: a kill never leaves half a checkpoint), and resumes from it when it
 exists. Its log (``job["log"]``, one JSON line each, appended) says what it did: ``{"restored":
 step}`` at start, ``{"step", "epoch", "records"}`` for each batch trained, ``{"saved": step}``
-after each save. Each record is ``<line>@e<item epoch>``."""
+after each save. Each record is ``<line>@e<item epoch>``.
+
+``per_rank``: one of a torchrun job's ranks (``RANK``, ``TORCHELASTIC_RUN_ID`` in the environment):
+its worker identity is the rank's (``wq_sql.torch.rank_name``), its checkpoint and log are
+``<ckpt>.rank<R>`` and ``<log>.rank<R>``. ``hold_at``: after training that step, stop (sleep
+until killed), holding what it read."""
 
 from __future__ import annotations
 
@@ -30,8 +35,13 @@ def read_lines(item: Any) -> list[str]:
 
 def main() -> None:
     job: dict[str, Any] = json.loads(sys.argv[1])
+    worker: Any = "trainer"
+    if job.get("per_rank"):
+        worker = None  # the rank's: <TORCHELASTIC_RUN_ID>/rank<RANK>
+        rank = os.environ["RANK"]
+        job = {**job, "ckpt": f"{job['ckpt']}.rank{rank}", "log": f"{job['log']}.rank{rank}"}
     ds = QueueDataset(job["files"], num_epochs=job["num_epochs"], seed=7, name=job["queue"], url=job["url"],
-                      read=read_lines, consumed="checkpoint", worker="trainer", lease_ahead=2,
+                      read=read_lines, consumed="checkpoint", worker=worker, lease_ahead=2,
                       **job.get("options", {}))
     loader = DataLoader(ds, batch_size=job["batch_size"], num_workers=job["num_workers"],
                         multiprocessing_context="fork")
@@ -68,6 +78,10 @@ def main() -> None:
                 log.write(json.dumps({"step": step, "epoch": epoch, "records": list(batch)}) + "\n")
                 if step % job["every"] == 0:
                     save(epoch, False)
+                if step == job.get("hold_at"):
+                    log.write(json.dumps({"holding": step}) + "\n")
+                    while True:
+                        time.sleep(1)
             save(epoch, True)
     print(json.dumps({"finished": step}))
 

@@ -45,16 +45,18 @@ def free_port() -> int:
 
 
 def start_rank(job: dict[str, Any], rank: int, world: int, port: int, run_id: str = "test",
-               read_seconds: float = 0.0, restart: int | None = None) -> subprocess.Popen[str]:
+               read_seconds: float = 0.0, restart: int | None = None,
+               script: Path = RANK) -> subprocess.Popen[str]:
     """One rank in its own process group (so that a test can kill it with its DataLoader workers);
     its DataLoader workers sleep ``read_seconds`` per item read (a slow input pipeline).
-    ``restart``: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (unset by default)."""
+    ``restart``: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (unset by default). ``script``: what
+    the rank runs (``torch_rank.py``; ``torch_ckpt_trainer.py`` with ``per_rank``)."""
     env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id,
            "TEST_READ_SECONDS": str(read_seconds)}
     if restart is not None:
         env["TORCHELASTIC_RESTART_COUNT"] = str(restart)
-    return subprocess.Popen([sys.executable, str(RANK), json.dumps(job)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(script), json.dumps(job)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 

@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -245,10 +246,18 @@ class QueueDataset(QueuePasses, IterableDataset):
                 break
             last = _NOTHING
             try:
-                for record in self._records(loader, item):
-                    if last is not _NOTHING:
-                        yield last
-                    last = record
+                records = self._records(loader, item)
+                if isinstance(records, (list, tuple)):
+                    # A sequence (what most readers return): its last record is known without
+                    # looking ahead, so the others go out with no Python work per record.
+                    if records:
+                        last = records[-1]
+                        yield from islice(records, len(records) - 1)
+                else:
+                    for record in records:
+                        if last is not _NOTHING:
+                            yield last
+                        last = record
             except GeneratorExit:
                 raise
             except BaseException as e:
