@@ -127,7 +127,7 @@ class _Count(logging.Handler):
 
 def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optional[str], ready: Any,
           go: Any, stop: Any, idle_ready: Any, out: Any, slow: Optional[list[float]] = None,
-          options: Optional[dict[str, Any]] = None) -> None:
+          options: Optional[dict[str, Any]] = None, trace_ms: float = 0.0) -> None:
     """``n`` worker threads. Busy phase: take until ``stop`` (or the queue ends); idle phase: join
     queue ``idle`` and take until it ends. Puts one dict of results."""
     warn = _Count()
@@ -140,8 +140,12 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     ready_b = threading.Barrier(n + 1)
     idle_b = threading.Barrier(n + 1)
     t_go = [0.0]
+    in_take = [0.0] * n  # perf_counter at the start of the take in flight, 0: none
+    idents = [0] * n
+    slow_takes: list[tuple[float, float]] = []  # --trace-slow: (start after go, seconds)
 
     def worker(k: int) -> None:
+        idents[k] = threading.get_ident()
         name = f"w{first + k}"
         ms = slow[k] if slow is not None else item_ms
         wq = None
@@ -153,9 +157,12 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
         go.wait()
         try:
             while wq is not None and not stop.is_set():
-                t = time.perf_counter()
+                t = in_take[k] = time.perf_counter()
                 wq.take()
+                in_take[k] = 0.0
                 lat[k].append(time.perf_counter() - t)
+                if trace_ms and lat[k][-1] * 1e3 > trace_ms:
+                    slow_takes.append((t - t_go[0], lat[k][-1]))
                 if not stop.is_set():
                     counts[k] += 1
                 if ms:
@@ -192,6 +199,11 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(n)]
     for t in threads:
         t.start()
+    slow_stacks: dict[str, int] = {}
+    tracing = threading.Event()
+    if trace_ms:
+        threading.Thread(target=_trace_slow_takes, args=(in_take, idents, trace_ms / 1e3, slow_stacks, tracing),
+                         daemon=True).start()
     ready_b.wait()
     ready.set()
     go.wait()
@@ -202,6 +214,7 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
             t.join()
     else:
         stop.wait()
+    tracing.set()
     cpu_busy = time.process_time() - cpu_go
     cpu_idle0 = time.process_time()
     if idle is not None:
@@ -212,7 +225,30 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     out.put({"lat": [x for ls in lat for x in ls], "items": sum(counts), "errors": errors,
              "warnings": warn.messages, "cpu_busy": cpu_busy, "cpu_idle": time.process_time() - cpu_idle0,
              "cpu_total": time.process_time() - cpu0, "t_go": t_go[0],
-             "finished": [f - t_go[0] for f in finished if f]})
+             "finished": [f - t_go[0] for f in finished if f], "slow_stacks": slow_stacks,
+             "slow_takes": slow_takes})
+
+
+def _trace_slow_takes(in_take: list[float], idents: list[int], after: float, stacks: dict[str, int],
+                      halt: threading.Event) -> None:
+    """``--trace-slow``: every 10 ms, the stack of each worker thread whose take() has run for
+    longer than ``after`` seconds, counted by its wq_sql frames (where slow takes wait)."""
+    while not halt.wait(0.01):
+        now = time.perf_counter()
+        frames = sys._current_frames()
+        for k, t in enumerate(in_take):
+            f = frames.get(idents[k]) if t and now - t > after else None
+            parts = []
+            while f is not None:
+                code = f.f_code
+                if "wq_sql" in code.co_filename or "sqlalchemy" in code.co_filename or not parts:
+                    parts.append(f"{Path(code.co_filename).name}:{f.f_lineno}:{code.co_name}")
+                f = f.f_back
+            if parts:
+                wq = [p for p in parts[1:] if not p.startswith(("base.py", "default.py", "util.py", "attr.py",
+                                                                "elements.py"))]
+                key = " < ".join([parts[0], *wq[:8]])
+                stacks[key] = stacks.get(key, 0) + 1
 
 
 # ---------------------------------------------------------------- the cluster
@@ -266,6 +302,8 @@ class Sampler(threading.Thread):
         self.rig, self.halt = rig, threading.Event()
         self.conns: list[int] = []
         self.waiting: list[int] = []
+        self.maxwait: list[float] = []  # seconds the oldest client waiting in PgBouncer waited
+        self.states: dict[str, int] = {}  # server connections by pg_stat_activity state, summed
 
     def run(self) -> None:
         while not self.halt.wait(0.5):
@@ -273,6 +311,13 @@ class Sampler(threading.Thread):
                 self.conns.append(self.rig.server_connections())
                 pools = [p for p in self.rig.bouncer.show("pools") if p["database"] == DB]
                 self.waiting.append(sum(int(p["cl_waiting"]) for p in pools))
+                self.maxwait.append(max((int(p["maxwait"]) + int(p["maxwait_us"]) / 1e6 for p in pools),
+                                        default=0.0))
+                for state, c in self.rig.sql(
+                        "SELECT coalesce(state, '-'), count(*) FROM pg_stat_activity WHERE datname = "
+                        "current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid() "
+                        "GROUP BY 1"):
+                    self.states[state] = self.states.get(state, 0) + int(c)
             except Exception:  # noqa: BLE001 - a sample lost under load is not a result
                 pass
 
@@ -284,7 +329,7 @@ def _create(url: str, name: str, n_items: int) -> None:
 
 def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idle: Optional[str],
                  slow: Optional[list[float]] = None,
-                 options: Optional[dict[str, Any]] = None) -> tuple[list[Any], dict[str, Any]]:
+                 options: Optional[dict[str, Any]] = None, trace_ms: float = 0.0) -> tuple[list[Any], dict[str, Any]]:
     ctx = mp.get_context("fork")
     ev = {"go": ctx.Event(), "stop": ctx.Event(), "out": ctx.Queue()}
     procs, readies, idles = [], [], []
@@ -292,7 +337,8 @@ def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idl
         k = min(per_proc, n - first)
         r, i = ctx.Event(), ctx.Event()
         p = ctx.Process(target=_proc, args=(rig.url, first, k, item_ms, busy, idle, r, ev["go"], ev["stop"],
-                                            i, ev["out"], slow[first:first + k] if slow else None, options))
+                                            i, ev["out"], slow[first:first + k] if slow else None, options,
+                                            trace_ms))
         p.start()
         procs.append(p)
         readies.append(r)
@@ -485,10 +531,12 @@ def tail(a: argparse.Namespace) -> int:
         name = "tail"
         _create(rig.url, name, items)
         procs, ev = _start_procs(rig, w, a.per_proc, 0.0, name, None, ms,
-                                 {"claim_ahead": True} if a.claim_ahead else None)
+                                 {"claim_ahead": True} if a.claim_ahead else None, a.trace_slow)
         _wait_all(ev["readies"], 600, "join")
         server = CpuMeter(rig.pg.postmaster_pid(), True)
         server.start()
+        sampler = Sampler(rig)
+        sampler.start()
         ev["go"].set()
         # The workers end by themselves (QueueExhausted), each process once its threads did.
         deadline = time.monotonic() + ideal * 3 + 120
@@ -499,6 +547,9 @@ def tail(a: argparse.Namespace) -> int:
             except queue.Empty:
                 continue
         server_cpu, wall = server.stop()
+        sampler.halt.set()
+        sampler.join()
+        stats = [x for x in rig.bouncer.show("stats") if x["database"] == DB]
         for p in procs:
             p.join(60)
         # Where the time beyond the zero-overhead queue goes: the drain itself (first claim to
@@ -535,6 +586,31 @@ def tail(a: argparse.Namespace) -> int:
     print("\nthe server's top statements by total time: calls, mean ms, max ms, text")
     for row in top:
         print("  ", " | ".join(str(x) for x in row))
+    samples = max(1, len(sampler.conns))
+    print(f"\nPgBouncer: clients waiting for a server connection, median {statistics.median(sampler.waiting or [0])}"
+          f" max {max(sampler.waiting or [0])}; longest wait, median {statistics.median(sampler.maxwait or [0]):.3f} s"
+          f" max {max(sampler.maxwait or [0]):.3f} s; server connections by state (mean): "
+          + ", ".join(f"{k} {v / samples:.1f}" for k, v in sorted(sampler.states.items())))
+    for x in stats:
+        print("  SHOW STATS:", {k: x[k] for k in ("total_xact_count", "total_query_count", "total_xact_time",
+                                                 "total_query_time", "total_wait_time", "avg_xact_time",
+                                                 "avg_query_time", "avg_wait_time") if k in x})
+    if a.trace_slow:
+        stacks: dict[str, int] = {}
+        for r in results:
+            for key, c in r["slow_stacks"].items():
+                stacks[key] = stacks.get(key, 0) + c
+        total = sum(stacks.values())
+        per_s: dict[int, list[float]] = {}
+        for r in results:
+            for t0, d in r["slow_takes"]:
+                per_s.setdefault(int(t0), []).append(d)
+        print(f"\ntakes longer than {a.trace_slow:g} ms by the second they began (count, longest ms): "
+              + ", ".join(f"{s}s: {len(v)}/{max(v) * 1e3:.0f}" for s, v in sorted(per_s.items())))
+        print(f"\nwhere takes longer than {a.trace_slow:g} ms were (samples every 10 ms, {total} in all; "
+              "innermost frame first):")
+        for key, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"  {c:6d} ({c / max(1, total):.0%})  {key}")
     cpu = sum(r["cpu_total"] for r in results)
     print(f"| worker processes' CPU, all of them (cores over the drain) | {cpu / drain:.2f} | |")
     print(f"\nworkers that ended: {len(finished)} of {w}; errors {len(errors)} {errors[:3]}; "
@@ -576,6 +652,8 @@ def main(argv: list[str]) -> int:
     t.add_argument("--items-per-worker", type=int, default=50)
     t.add_argument("--claim-ahead", action="store_true",
                    help="workers claim their next item while they work on one (WorkQueue(claim_ahead=True))")
+    t.add_argument("--trace-slow", type=float, default=0.0, metavar="MS",
+                   help="sample the stacks of takes running longer than MS ms, and print where they wait")
     a = ap.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
