@@ -389,10 +389,14 @@ def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str)
                held.label("held"))
         .where(workers.c.queue_id == qid, workers.c.id != me, workers.c.heartbeat_at.is_not(None),
                or_(workers.c.host == host, stale))).all()
-    on_host = conn.execute(select(func.count()).where(
-        workers.c.queue_id == qid, workers.c.host == host, workers.c.heartbeat_at.is_not(None))).scalar_one()
     return [Holder(r.id, r.name, r.host, r.pid, r.proc_start, r.incarnation, float(r.age), bool(r.stale),
-                   int(r.held)) for r in rows if r.held], int(on_host)
+                   int(r.held)) for r in rows if r.held], live_on_host(conn, qid, host)
+
+
+def live_on_host(conn: Connection, qid: int, host: str) -> int:
+    """How many live (registered, not closed) workers the queue has on ``host``."""
+    return int(conn.execute(select(func.count()).where(
+        workers.c.queue_id == qid, workers.c.host == host, workers.c.heartbeat_at.is_not(None))).scalar_one())
 
 
 def give_back_held(conn: Connection, b: Dialect, qid: int, h: Holder, max_attempts: int, why: str,
