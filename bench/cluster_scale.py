@@ -26,17 +26,21 @@ Reported as ratios against N = 100. Targets (issue 17): at N = 2,000 throughput 
 ``tail``: the long tail at scale: ``--workers`` (200) workers, ``--slow-frac`` (10%) of them
 ``--slow-factor`` (4x) slower, each item a sleep of ``--fast-ms``; makespan against the ideal
 (total work / total speed) and static sharding (``works[i::W]``, computed from the same speeds).
-Target: makespan <= 1.10x ideal.
+Target: makespan <= 1.10x ideal. ``--trace-slow MS``: where the time goes: the stacks of takes
+that run longer than MS ms (sampled every 10 ms; ``[over]`` once the queue ended), when slow takes
+began, the worker processes' garbage collections, PgBouncer's queue, and when workers saw the end.
 
     .venv/bin/python bench/cluster_scale.py scale                  # N = 100, 500, 2000 (~10 min)
     .venv/bin/python bench/cluster_scale.py scale --rate 0 --n 20,60 # no work per item: saturation
     .venv/bin/python bench/cluster_scale.py tail                   # 200 workers, 10% 4x slow
+    .venv/bin/python bench/cluster_scale.py tail --trace-slow 200  # ... and where slow takes wait
     make bench-cluster                                             # both, as in BENCHMARKS.md
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import logging
 import math
@@ -142,6 +146,7 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     t_go = [0.0]
     in_take = [0.0] * n  # perf_counter at the start of the take in flight, 0: none
     idents = [0] * n
+    last_wait = [0.0] * n  # the take() that raised QueueExhausted
     slow_takes: list[tuple[float, float]] = []  # --trace-slow: (start after go, seconds)
 
     def worker(k: int) -> None:
@@ -169,6 +174,7 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
                     time.sleep(ms / 1e3)
         except QueueExhausted:
             finished[k] = time.perf_counter()
+            last_wait[k] = finished[k] - in_take[k]
         except BaseException as e:  # noqa: BLE001 - reported
             errors.append(f"{name} take: {type(e).__name__}: {e}"[:300])
         finally:
@@ -201,8 +207,18 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
         t.start()
     slow_stacks: dict[str, int] = {}
     tracing = threading.Event()
+    gc_pauses: list[tuple[float, int, float]] = []  # --trace-slow: (when after go, generation, seconds)
     if trace_ms:
-        threading.Thread(target=_trace_slow_takes, args=(in_take, idents, trace_ms / 1e3, slow_stacks, tracing),
+        gc_start = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            elif t_go[0]:
+                gc_pauses.append((gc_start[0] - t_go[0], info["generation"], time.perf_counter() - gc_start[0]))
+        gc.callbacks.append(on_gc)
+        threading.Thread(target=_trace_slow_takes, args=(in_take, idents, trace_ms / 1e3, slow_stacks, tracing,
+                                                            finished),
                          daemon=True).start()
     ready_b.wait()
     ready.set()
@@ -226,13 +242,16 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
              "warnings": warn.messages, "cpu_busy": cpu_busy, "cpu_idle": time.process_time() - cpu_idle0,
              "cpu_total": time.process_time() - cpu0, "t_go": t_go[0],
              "finished": [f - t_go[0] for f in finished if f], "slow_stacks": slow_stacks,
-             "slow_takes": slow_takes})
+             "slow_takes": slow_takes, "gc_pauses": gc_pauses,
+             "enders": [(f - t_go[0], slow[k] if slow else item_ms, last_wait[k])
+                        for k, f in enumerate(finished) if f]})
 
 
 def _trace_slow_takes(in_take: list[float], idents: list[int], after: float, stacks: dict[str, int],
-                      halt: threading.Event) -> None:
+                      halt: threading.Event, finished: list[float]) -> None:
     """``--trace-slow``: every 10 ms, the stack of each worker thread whose take() has run for
-    longer than ``after`` seconds, counted by its wq_sql frames (where slow takes wait)."""
+    longer than ``after`` seconds, counted by its wq_sql frames (where slow takes wait); marked
+    ``[over]`` once another worker of the process saw the queue end."""
     while not halt.wait(0.01):
         now = time.perf_counter()
         frames = sys._current_frames()
@@ -247,7 +266,7 @@ def _trace_slow_takes(in_take: list[float], idents: list[int], after: float, sta
             if parts:
                 wq = [p for p in parts[1:] if not p.startswith(("base.py", "default.py", "util.py", "attr.py",
                                                                 "elements.py"))]
-                key = " < ".join([parts[0], *wq[:8]])
+                key = ("[over] " if any(finished) else "") + " < ".join([parts[0], *wq[:8]])
                 stacks[key] = stacks.get(key, 0) + 1
 
 
@@ -607,6 +626,18 @@ def tail(a: argparse.Namespace) -> int:
                 per_s.setdefault(int(t0), []).append(d)
         print(f"\ntakes longer than {a.trace_slow:g} ms by the second they began (count, longest ms): "
               + ", ".join(f"{s}s: {len(v)}/{max(v) * 1e3:.0f}" for s, v in sorted(per_s.items())))
+        pauses = [p for r in results for p in r["gc_pauses"]]
+        long_ones = sorted((p for p in pauses if p[2] > 0.02), key=lambda p: p[0])
+        print(f"garbage collections in the worker processes: {len(pauses)}, "
+              f"{sum(p[2] for p in pauses):.2f} s in all; over 20 ms (after go s, generation, ms): "
+              + ", ".join(f"{w:.1f}/{g}/{d * 1e3:.0f}" for w, g, d in long_ones[:20]))
+        enders = sorted((e for r in results for e in r["enders"]), reverse=True)
+        ends = sorted(e[0] for e in enders)
+        if ends:
+            print(f"workers seeing the end, after go: first {ends[0]:.2f} s, median {ends[len(ends) // 2]:.2f} s, "
+                  f"last {ends[-1]:.2f} s (the last item was done {drain:.2f} s after the first claim)")
+        print("the last workers to see the end (after go s, item ms, the take() that said so, ms): "
+              + ", ".join(f"{t:.2f}/{ms:g}/{d * 1e3:.0f}" for t, ms, d in enders[:12]))
         print(f"\nwhere takes longer than {a.trace_slow:g} ms were (samples every 10 ms, {total} in all; "
               "innermost frame first):")
         for key, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:12]:
