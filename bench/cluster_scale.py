@@ -379,7 +379,7 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
     _create(rig.url, idle, a.idle_items)
     t0 = time.monotonic()
     item_ms = n * 1e3 / a.rate if a.rate else a.item_ms
-    procs, ev = _start_procs(rig, n, a.per_proc, item_ms, busy, idle)
+    procs, ev = _start_procs(rig, n, a.per_proc, item_ms, busy, idle, trace_ms=a.trace_slow)
     _wait_all(ev["readies"], 600, "join")
     join_s = time.monotonic() - t0
     harness = [CpuMeter(p.pid, False) for p in procs]
@@ -417,6 +417,9 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
                     "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY calls DESC")
     holder.close()  # hands the items back: the workers take them and see the queue end
     results = [ev["out"].get(timeout=600) for _ in procs]
+    if a.trace_slow:
+        print(f"\n### N = {n}, busy phase", end="")
+        print_trace(results, a.trace_slow)
     for p in procs:
         p.join(60)
     lat = [x for r in results for x in r["lat"]]
@@ -615,33 +618,14 @@ def tail(a: argparse.Namespace) -> int:
                                                  "total_query_time", "total_wait_time", "avg_xact_time",
                                                  "avg_query_time", "avg_wait_time") if k in x})
     if a.trace_slow:
-        stacks: dict[str, int] = {}
-        for r in results:
-            for key, c in r["slow_stacks"].items():
-                stacks[key] = stacks.get(key, 0) + c
-        total = sum(stacks.values())
-        per_s: dict[int, list[float]] = {}
-        for r in results:
-            for t0, d in r["slow_takes"]:
-                per_s.setdefault(int(t0), []).append(d)
-        print(f"\ntakes longer than {a.trace_slow:g} ms by the second they began (count, longest ms): "
-              + ", ".join(f"{s}s: {len(v)}/{max(v) * 1e3:.0f}" for s, v in sorted(per_s.items())))
-        pauses = [p for r in results for p in r["gc_pauses"]]
-        long_ones = sorted((p for p in pauses if p[2] > 0.02), key=lambda p: p[0])
-        print(f"garbage collections in the worker processes: {len(pauses)}, "
-              f"{sum(p[2] for p in pauses):.2f} s in all; over 20 ms (after go s, generation, ms): "
-              + ", ".join(f"{w:.1f}/{g}/{d * 1e3:.0f}" for w, g, d in long_ones[:20]))
         enders = sorted((e for r in results for e in r["enders"]), reverse=True)
         ends = sorted(e[0] for e in enders)
         if ends:
-            print(f"workers seeing the end, after go: first {ends[0]:.2f} s, median {ends[len(ends) // 2]:.2f} s, "
+            print(f"\nworkers seeing the end, after go: first {ends[0]:.2f} s, median {ends[len(ends) // 2]:.2f} s, "
                   f"last {ends[-1]:.2f} s (the last item was done {drain:.2f} s after the first claim)")
         print("the last workers to see the end (after go s, item ms, the take() that said so, ms): "
               + ", ".join(f"{t:.2f}/{ms:g}/{d * 1e3:.0f}" for t, ms, d in enders[:12]))
-        print(f"\nwhere takes longer than {a.trace_slow:g} ms were (samples every 10 ms, {total} in all; "
-              "innermost frame first):")
-        for key, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:12]:
-            print(f"  {c:6d} ({c / max(1, total):.0%})  {key}")
+        print_trace(results, a.trace_slow)
     cpu = sum(r["cpu_total"] for r in results)
     print(f"| worker processes' CPU, all of them (cores over the drain) | {cpu / drain:.2f} | |")
     print(f"\nworkers that ended: {len(finished)} of {w}; errors {len(errors)} {errors[:3]}; "
@@ -650,6 +634,31 @@ def tail(a: argparse.Namespace) -> int:
     dump(a.json, {"makespan": makespan, "ideal": ideal, "static": static, "greedy": greedy, "errors": errors,
                   "ended": len(finished), "workers": w})
     return 0 if not errors else 1
+
+
+def print_trace(results: list[dict[str, Any]], trace_ms: float) -> None:
+    """``--trace-slow``: when slow takes began, the worker processes' garbage collections, and
+    where slow takes waited (their stacks, the most sampled first)."""
+    stacks: dict[str, int] = {}
+    for r in results:
+        for key, c in r["slow_stacks"].items():
+            stacks[key] = stacks.get(key, 0) + c
+    total = sum(stacks.values())
+    per_s: dict[int, list[float]] = {}
+    for r in results:
+        for t0, d in r["slow_takes"]:
+            per_s.setdefault(int(t0), []).append(d)
+    print(f"\ntakes longer than {trace_ms:g} ms by the second they began (count, longest ms): "
+          + ", ".join(f"{s}s: {len(v)}/{max(v) * 1e3:.0f}" for s, v in sorted(per_s.items())))
+    pauses = [p for r in results for p in r["gc_pauses"]]
+    long_ones = sorted((p for p in pauses if p[2] > 0.02), key=lambda p: p[0])
+    print(f"garbage collections in the worker processes: {len(pauses)}, "
+          f"{sum(p[2] for p in pauses):.2f} s in all; over 20 ms (after go s, generation, ms): "
+          + ", ".join(f"{w:.1f}/{g}/{d * 1e3:.0f}" for w, g, d in long_ones[:20]))
+    print(f"\nwhere takes longer than {trace_ms:g} ms were (samples every 10 ms, {total} in all; "
+          "innermost frame first):")
+    for key, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {c:6d} ({c / max(1, total):.0%})  {key}")
 
 
 def main(argv: list[str]) -> int:
@@ -664,6 +673,8 @@ def main(argv: list[str]) -> int:
         p.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
                        help="a postgresql.conf setting of the throwaway cluster (repeatable)")
         p.add_argument("--json", default=None)
+        p.add_argument("--trace-slow", type=float, default=0.0, metavar="MS",
+                       help="sample the stacks of takes running longer than MS ms, and print where they wait")
     s = sub.choices["scale"]
     s.add_argument("--n", default="100,500,2000")
     s.add_argument("--seconds", type=float, default=20.0)
@@ -683,8 +694,6 @@ def main(argv: list[str]) -> int:
     t.add_argument("--items-per-worker", type=int, default=50)
     t.add_argument("--claim-ahead", action="store_true",
                    help="workers claim their next item while they work on one (WorkQueue(claim_ahead=True))")
-    t.add_argument("--trace-slow", type=float, default=0.0, metavar="MS",
-                   help="sample the stacks of takes running longer than MS ms, and print where they wait")
     a = ap.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
