@@ -26,17 +26,21 @@ Reported as ratios against N = 100. Targets (issue 17): at N = 2,000 throughput 
 ``tail``: the long tail at scale: ``--workers`` (200) workers, ``--slow-frac`` (10%) of them
 ``--slow-factor`` (4x) slower, each item a sleep of ``--fast-ms``; makespan against the ideal
 (total work / total speed) and static sharding (``works[i::W]``, computed from the same speeds).
-Target: makespan <= 1.10x ideal.
+Target: makespan <= 1.10x ideal. ``--trace-slow MS``: where the time goes: the stacks of takes
+that run longer than MS ms (sampled every 10 ms; ``[over]`` once the queue ended), when slow takes
+began, the worker processes' garbage collections, PgBouncer's queue, and when workers saw the end.
 
     .venv/bin/python bench/cluster_scale.py scale                  # N = 100, 500, 2000 (~10 min)
     .venv/bin/python bench/cluster_scale.py scale --rate 0 --n 20,60 # no work per item: saturation
     .venv/bin/python bench/cluster_scale.py tail                   # 200 workers, 10% 4x slow
+    .venv/bin/python bench/cluster_scale.py tail --trace-slow 200  # ... and where slow takes wait
     make bench-cluster                                             # both, as in BENCHMARKS.md
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import logging
 import math
@@ -127,7 +131,7 @@ class _Count(logging.Handler):
 
 def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optional[str], ready: Any,
           go: Any, stop: Any, idle_ready: Any, out: Any, slow: Optional[list[float]] = None,
-          options: Optional[dict[str, Any]] = None) -> None:
+          options: Optional[dict[str, Any]] = None, trace_ms: float = 0.0) -> None:
     """``n`` worker threads. Busy phase: take until ``stop`` (or the queue ends); idle phase: join
     queue ``idle`` and take until it ends. Puts one dict of results."""
     warn = _Count()
@@ -140,8 +144,13 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     ready_b = threading.Barrier(n + 1)
     idle_b = threading.Barrier(n + 1)
     t_go = [0.0]
+    in_take = [0.0] * n  # perf_counter at the start of the take in flight, 0: none
+    idents = [0] * n
+    last_wait = [0.0] * n  # the take() that raised QueueExhausted
+    slow_takes: list[tuple[float, float]] = []  # --trace-slow: (start after go, seconds)
 
     def worker(k: int) -> None:
+        idents[k] = threading.get_ident()
         name = f"w{first + k}"
         ms = slow[k] if slow is not None else item_ms
         wq = None
@@ -153,15 +162,19 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
         go.wait()
         try:
             while wq is not None and not stop.is_set():
-                t = time.perf_counter()
+                t = in_take[k] = time.perf_counter()
                 wq.take()
+                in_take[k] = 0.0
                 lat[k].append(time.perf_counter() - t)
+                if trace_ms and lat[k][-1] * 1e3 > trace_ms:
+                    slow_takes.append((t - t_go[0], lat[k][-1]))
                 if not stop.is_set():
                     counts[k] += 1
                 if ms:
                     time.sleep(ms / 1e3)
         except QueueExhausted:
             finished[k] = time.perf_counter()
+            last_wait[k] = finished[k] - in_take[k]
         except BaseException as e:  # noqa: BLE001 - reported
             errors.append(f"{name} take: {type(e).__name__}: {e}"[:300])
         finally:
@@ -192,6 +205,21 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(n)]
     for t in threads:
         t.start()
+    slow_stacks: dict[str, int] = {}
+    tracing = threading.Event()
+    gc_pauses: list[tuple[float, int, float]] = []  # --trace-slow: (when after go, generation, seconds)
+    if trace_ms:
+        gc_start = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            elif t_go[0]:
+                gc_pauses.append((gc_start[0] - t_go[0], info["generation"], time.perf_counter() - gc_start[0]))
+        gc.callbacks.append(on_gc)
+        threading.Thread(target=_trace_slow_takes, args=(in_take, idents, trace_ms / 1e3, slow_stacks, tracing,
+                                                            finished),
+                         daemon=True).start()
     ready_b.wait()
     ready.set()
     go.wait()
@@ -202,6 +230,7 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
             t.join()
     else:
         stop.wait()
+    tracing.set()
     cpu_busy = time.process_time() - cpu_go
     cpu_idle0 = time.process_time()
     if idle is not None:
@@ -212,7 +241,33 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     out.put({"lat": [x for ls in lat for x in ls], "items": sum(counts), "errors": errors,
              "warnings": warn.messages, "cpu_busy": cpu_busy, "cpu_idle": time.process_time() - cpu_idle0,
              "cpu_total": time.process_time() - cpu0, "t_go": t_go[0],
-             "finished": [f - t_go[0] for f in finished if f]})
+             "finished": [f - t_go[0] for f in finished if f], "slow_stacks": slow_stacks,
+             "slow_takes": slow_takes, "gc_pauses": gc_pauses,
+             "enders": [(f - t_go[0], slow[k] if slow else item_ms, last_wait[k])
+                        for k, f in enumerate(finished) if f]})
+
+
+def _trace_slow_takes(in_take: list[float], idents: list[int], after: float, stacks: dict[str, int],
+                      halt: threading.Event, finished: list[float]) -> None:
+    """``--trace-slow``: every 10 ms, the stack of each worker thread whose take() has run for
+    longer than ``after`` seconds, counted by its wq_sql frames (where slow takes wait); marked
+    ``[over]`` once another worker of the process saw the queue end."""
+    while not halt.wait(0.01):
+        now = time.perf_counter()
+        frames = sys._current_frames()
+        for k, t in enumerate(in_take):
+            f = frames.get(idents[k]) if t and now - t > after else None
+            parts = []
+            while f is not None:
+                code = f.f_code
+                if "wq_sql" in code.co_filename or "sqlalchemy" in code.co_filename or not parts:
+                    parts.append(f"{Path(code.co_filename).name}:{f.f_lineno}:{code.co_name}")
+                f = f.f_back
+            if parts:
+                wq = [p for p in parts[1:] if not p.startswith(("base.py", "default.py", "util.py", "attr.py",
+                                                                "elements.py"))]
+                key = ("[over] " if any(finished) else "") + " < ".join([parts[0], *wq[:8]])
+                stacks[key] = stacks.get(key, 0) + 1
 
 
 # ---------------------------------------------------------------- the cluster
@@ -266,6 +321,8 @@ class Sampler(threading.Thread):
         self.rig, self.halt = rig, threading.Event()
         self.conns: list[int] = []
         self.waiting: list[int] = []
+        self.maxwait: list[float] = []  # seconds the oldest client waiting in PgBouncer waited
+        self.states: dict[str, int] = {}  # server connections by pg_stat_activity state, summed
 
     def run(self) -> None:
         while not self.halt.wait(0.5):
@@ -273,6 +330,13 @@ class Sampler(threading.Thread):
                 self.conns.append(self.rig.server_connections())
                 pools = [p for p in self.rig.bouncer.show("pools") if p["database"] == DB]
                 self.waiting.append(sum(int(p["cl_waiting"]) for p in pools))
+                self.maxwait.append(max((int(p["maxwait"]) + int(p["maxwait_us"]) / 1e6 for p in pools),
+                                        default=0.0))
+                for state, c in self.rig.sql(
+                        "SELECT coalesce(state, '-'), count(*) FROM pg_stat_activity WHERE datname = "
+                        "current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid() "
+                        "GROUP BY 1"):
+                    self.states[state] = self.states.get(state, 0) + int(c)
             except Exception:  # noqa: BLE001 - a sample lost under load is not a result
                 pass
 
@@ -284,7 +348,7 @@ def _create(url: str, name: str, n_items: int) -> None:
 
 def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idle: Optional[str],
                  slow: Optional[list[float]] = None,
-                 options: Optional[dict[str, Any]] = None) -> tuple[list[Any], dict[str, Any]]:
+                 options: Optional[dict[str, Any]] = None, trace_ms: float = 0.0) -> tuple[list[Any], dict[str, Any]]:
     ctx = mp.get_context("fork")
     ev = {"go": ctx.Event(), "stop": ctx.Event(), "out": ctx.Queue()}
     procs, readies, idles = [], [], []
@@ -292,7 +356,8 @@ def _start_procs(rig: Rig, n: int, per_proc: int, item_ms: float, busy: str, idl
         k = min(per_proc, n - first)
         r, i = ctx.Event(), ctx.Event()
         p = ctx.Process(target=_proc, args=(rig.url, first, k, item_ms, busy, idle, r, ev["go"], ev["stop"],
-                                            i, ev["out"], slow[first:first + k] if slow else None, options))
+                                            i, ev["out"], slow[first:first + k] if slow else None, options,
+                                            trace_ms))
         p.start()
         procs.append(p)
         readies.append(r)
@@ -314,7 +379,7 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
     _create(rig.url, idle, a.idle_items)
     t0 = time.monotonic()
     item_ms = n * 1e3 / a.rate if a.rate else a.item_ms
-    procs, ev = _start_procs(rig, n, a.per_proc, item_ms, busy, idle)
+    procs, ev = _start_procs(rig, n, a.per_proc, item_ms, busy, idle, trace_ms=a.trace_slow)
     _wait_all(ev["readies"], 600, "join")
     join_s = time.monotonic() - t0
     harness = [CpuMeter(p.pid, False) for p in procs]
@@ -352,6 +417,9 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
                     "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY calls DESC")
     holder.close()  # hands the items back: the workers take them and see the queue end
     results = [ev["out"].get(timeout=600) for _ in procs]
+    if a.trace_slow:
+        print(f"\n### N = {n}, busy phase", end="")
+        print_trace(results, a.trace_slow)
     for p in procs:
         p.join(60)
     lat = [x for r in results for x in r["lat"]]
@@ -485,10 +553,12 @@ def tail(a: argparse.Namespace) -> int:
         name = "tail"
         _create(rig.url, name, items)
         procs, ev = _start_procs(rig, w, a.per_proc, 0.0, name, None, ms,
-                                 {"claim_ahead": True} if a.claim_ahead else None)
+                                 {"claim_ahead": True} if a.claim_ahead else None, a.trace_slow)
         _wait_all(ev["readies"], 600, "join")
         server = CpuMeter(rig.pg.postmaster_pid(), True)
         server.start()
+        sampler = Sampler(rig)
+        sampler.start()
         ev["go"].set()
         # The workers end by themselves (QueueExhausted), each process once its threads did.
         deadline = time.monotonic() + ideal * 3 + 120
@@ -499,6 +569,9 @@ def tail(a: argparse.Namespace) -> int:
             except queue.Empty:
                 continue
         server_cpu, wall = server.stop()
+        sampler.halt.set()
+        sampler.join()
+        stats = [x for x in rig.bouncer.show("stats") if x["database"] == DB]
         for p in procs:
             p.join(60)
         # Where the time beyond the zero-overhead queue goes: the drain itself (first claim to
@@ -535,6 +608,24 @@ def tail(a: argparse.Namespace) -> int:
     print("\nthe server's top statements by total time: calls, mean ms, max ms, text")
     for row in top:
         print("  ", " | ".join(str(x) for x in row))
+    samples = max(1, len(sampler.conns))
+    print(f"\nPgBouncer: clients waiting for a server connection, median {statistics.median(sampler.waiting or [0])}"
+          f" max {max(sampler.waiting or [0])}; longest wait, median {statistics.median(sampler.maxwait or [0]):.3f} s"
+          f" max {max(sampler.maxwait or [0]):.3f} s; server connections by state (mean): "
+          + ", ".join(f"{k} {v / samples:.1f}" for k, v in sorted(sampler.states.items())))
+    for x in stats:
+        print("  SHOW STATS:", {k: x[k] for k in ("total_xact_count", "total_query_count", "total_xact_time",
+                                                 "total_query_time", "total_wait_time", "avg_xact_time",
+                                                 "avg_query_time", "avg_wait_time") if k in x})
+    if a.trace_slow:
+        enders = sorted((e for r in results for e in r["enders"]), reverse=True)
+        ends = sorted(e[0] for e in enders)
+        if ends:
+            print(f"\nworkers seeing the end, after go: first {ends[0]:.2f} s, median {ends[len(ends) // 2]:.2f} s, "
+                  f"last {ends[-1]:.2f} s (the last item was done {drain:.2f} s after the first claim)")
+        print("the last workers to see the end (after go s, item ms, the take() that said so, ms): "
+              + ", ".join(f"{t:.2f}/{ms:g}/{d * 1e3:.0f}" for t, ms, d in enders[:12]))
+        print_trace(results, a.trace_slow)
     cpu = sum(r["cpu_total"] for r in results)
     print(f"| worker processes' CPU, all of them (cores over the drain) | {cpu / drain:.2f} | |")
     print(f"\nworkers that ended: {len(finished)} of {w}; errors {len(errors)} {errors[:3]}; "
@@ -543,6 +634,31 @@ def tail(a: argparse.Namespace) -> int:
     dump(a.json, {"makespan": makespan, "ideal": ideal, "static": static, "greedy": greedy, "errors": errors,
                   "ended": len(finished), "workers": w})
     return 0 if not errors else 1
+
+
+def print_trace(results: list[dict[str, Any]], trace_ms: float) -> None:
+    """``--trace-slow``: when slow takes began, the worker processes' garbage collections, and
+    where slow takes waited (their stacks, the most sampled first)."""
+    stacks: dict[str, int] = {}
+    for r in results:
+        for key, c in r["slow_stacks"].items():
+            stacks[key] = stacks.get(key, 0) + c
+    total = sum(stacks.values())
+    per_s: dict[int, list[float]] = {}
+    for r in results:
+        for t0, d in r["slow_takes"]:
+            per_s.setdefault(int(t0), []).append(d)
+    print(f"\ntakes longer than {trace_ms:g} ms by the second they began (count, longest ms): "
+          + ", ".join(f"{s}s: {len(v)}/{max(v) * 1e3:.0f}" for s, v in sorted(per_s.items())))
+    pauses = [p for r in results for p in r["gc_pauses"]]
+    long_ones = sorted((p for p in pauses if p[2] > 0.02), key=lambda p: p[0])
+    print(f"garbage collections in the worker processes: {len(pauses)}, "
+          f"{sum(p[2] for p in pauses):.2f} s in all; over 20 ms (after go s, generation, ms): "
+          + ", ".join(f"{w:.1f}/{g}/{d * 1e3:.0f}" for w, g, d in long_ones[:20]))
+    print(f"\nwhere takes longer than {trace_ms:g} ms were (samples every 10 ms, {total} in all; "
+          "innermost frame first):")
+    for key, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {c:6d} ({c / max(1, total):.0%})  {key}")
 
 
 def main(argv: list[str]) -> int:
@@ -557,6 +673,8 @@ def main(argv: list[str]) -> int:
         p.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
                        help="a postgresql.conf setting of the throwaway cluster (repeatable)")
         p.add_argument("--json", default=None)
+        p.add_argument("--trace-slow", type=float, default=0.0, metavar="MS",
+                       help="sample the stacks of takes running longer than MS ms, and print where they wait")
     s = sub.choices["scale"]
     s.add_argument("--n", default="100,500,2000")
     s.add_argument("--seconds", type=float, default=20.0)

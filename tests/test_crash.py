@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 from worker_proc import Proc, make_works, query, query_commit, received_multiset
 
 from wq_sql import WorkQueue
@@ -225,6 +226,47 @@ def test_on_a_busy_host_a_few_workers_look_for_lost_items_per_beat() -> None:
         assert per_period == pytest.approx(LOOKS_PER_HOST, rel=0.15), n
 
 
+def test_workers_that_start_together_do_not_all_look_at_their_first_beat(db_url: str) -> None:
+    """Workers started together beat together. If each one's first beat looked for lost items
+    (knowing no worker count yet), N looks would read N x N worker rows at the same moment: the
+    200-worker long tail's ~1 s takes (bench/cluster_scale.py tail). The first beat counts this
+    host's workers instead, so that about LOOKS_PER_HOST of them look, as at every later beat."""
+    n, name, beat = 32, "firstbeat", 2.0
+    WorkQueue(make_works(4), name=name, url=db_url, worker="creator").close()
+    qs: list[WorkQueue] = []
+    logs: list[list[tuple[str, float]]] = []  # per worker: (renew or look, when), in order
+
+    def recorder(log: list[tuple[str, float]]) -> Any:
+        def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if statement.lstrip().startswith("UPDATE wq_workers SET heartbeat_at"):
+                log.append(("renew", time.monotonic()))
+            elif "AS held" in statement:  # ops.holders_to_check: the look's first read
+                log.append(("look", time.monotonic()))
+        return before
+
+    try:
+        for i in range(n):
+            q = WorkQueue.attach(name, url=db_url, worker=f"w{i}", heartbeat_seconds=beat)
+            logs.append([])
+            event.listen(q.engine, "before_cursor_execute", recorder(logs[-1]))
+            qs.append(q)
+        all_in = time.monotonic()
+        deadline = all_in + 60
+        while time.monotonic() < deadline and not all(
+                sum(k == "renew" for k, _ in log) >= 2 for log in logs):
+            time.sleep(0.1)
+    finally:
+        for q in qs:
+            q.close()
+    # Workers whose first beat came once all had joined: each looked at it iff a look came
+    # before its second renew.
+    firsts = [log for log in logs if len(log) >= 2 and log[0][0] == "renew" and log[0][1] >= all_in]
+    looked = sum(log[1][0] == "look" for log in firsts)
+    assert len(firsts) >= 8, f"joining {n} workers took longer than the first beats: {len(firsts)}"
+    # Each looks with probability LOOKS_PER_HOST / n: all of them, or a third more, is < 1e-5.
+    assert looked < len(firsts) and looked <= LOOKS_PER_HOST + len(firsts) // 3, (looked, len(firsts))
+
+
 def test_sigkill_on_a_busy_host_comes_back_within_a_few_beats(
         db_url: str, tmp_path: Path, procs: list[Proc]) -> None:
     """With 12 more workers on this host (so each looks at about a third of its beats), a
@@ -236,7 +278,7 @@ def test_sigkill_on_a_busy_host_comes_back_within_a_few_beats(
     idle = [WorkQueue.attach(name, url=db_url, worker=f"idle{i}", lease_seconds=60, heartbeat_seconds=0.5)
             for i in range(12)]
     try:
-        time.sleep(1.5)  # each has looked once and learned how many workers this host has
+        time.sleep(1.5)  # each has beaten and counted this host's workers: it looks at a few beats
         a.kill()
         killed = time.monotonic()
         while time.monotonic() - killed < 30:

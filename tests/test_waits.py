@@ -18,7 +18,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from wq_sql import QueueEmpty, WorkQueue, ops
+from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, ops
+from wq_sql.claim import ClaimRound
 from wq_sql.engine import resolve_url
 
 
@@ -125,3 +126,36 @@ def test_an_item_held_but_unknown_is_handed_out_with_a_warning(db_url: str,
     holder.complete("a")
     waiter.close()
     holder.close()
+
+
+def test_a_waiting_take_whose_poll_sees_the_end_ends_there(db_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the end of a drain every waiting worker's poll sees the queue finished at about the
+    same moment. The take ends with that poll, without a claim round and a read of its own: two
+    transactions more per worker, all at once, through a pooler's few server connections (the
+    200-worker long tail's end: bench/cluster_scale.py tail --trace-slow)."""
+    holder = WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="holder", lease_ahead=2,
+                       auto_complete=False)
+    assert holder.take_many(2) == ["a", "b"]
+    waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.05)
+    polls = PollBarrier(monkeypatch)
+    thread, out = take_in_thread(waiter, timeout=20)
+    assert polls.polling.wait(10), "the take never started waiting"
+    rounds: list[int] = []  # the worker ids of the claim rounds from now on
+    real = ClaimRound.run
+
+    def run(self: ClaimRound, conn: Any, qid: int, worker_id: int, *args: Any, **kwargs: Any) -> Any:
+        rounds.append(worker_id)
+        return real(self, conn, qid, worker_id, *args, **kwargs)
+
+    monkeypatch.setattr(ClaimRound, "run", run)
+    try:
+        holder.complete("a")
+        holder.complete("b")
+        thread.join(15)
+        error = out.get("error")
+        assert isinstance(error, QueueExhausted) and (error.done, error.failed) == (2, 0), out
+        assert waiter.worker_id not in rounds, rounds
+    finally:
+        waiter.close()
+        holder.close()

@@ -123,8 +123,9 @@ class Dispenser:
         holds an item (a refill thread may claim one at any moment, and notifies), something in
         this process may have made an item claimable (the epoch maker's rows, an item released or
         expired here: :meth:`wake`), or a poll of the database says an item may be claimable or
-        the queue is finished. Polls are read-only probes (cheap for the database even with a
-        thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
+        the queue is finished (then the take ends with :class:`QueueExhausted` from the poll).
+        Polls are read-only probes (cheap for the database even with a thousand waiting workers;
+        no write lock on SQLite), with backoff up to ``poll_seconds``;
         the lock is not held during a poll, so other threads can complete items meanwhile."""
         pause = 0.02
         # Poll about as often as this worker took items while it had work (never more than every
@@ -152,6 +153,10 @@ class Dispenser:
                     self.changed.wait(min(next_poll, deadline if deadline is not None else next_poll) - now)
             pause = min(pause * 2, cap)
             peek = db.tx(lambda c: ops.peek(c, db.dialect, self.qid, self.member.worker_id), read=True)
+            if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
+                # The end, as _fill() would find it, without its claim round and read: at the end
+                # of a drain every waiting worker gets here at once (bench/cluster_scale.py tail).
+                raise QueueExhausted(self.rules.name, peek.finished - peek.failed, peek.failed)
             if (peek.pending or peek.expired or peek.finished >= self.extent.total
                     or peek.epochs_created != self.epochs.created):
                 return

@@ -142,7 +142,8 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> 
 
 def looks_this_beat(on_host: int, draw: float) -> bool:
     """Whether a heartbeat also looks for lost items (:func:`return_lost`), given how many live
-    workers the queue had on this host at the last look and a uniform draw in [0, 1). Each look
+    workers the queue had on this host at the last look (or the first beat's count) and a uniform
+    draw in [0, 1). Each look
     reads the queue's worker rows and scans its claimed items, so if every worker looked at every
     beat, N workers would cost N x N row reads per heartbeat period; instead about
     ``LOOKS_PER_HOST`` workers of each host look per period, chosen at random each beat, so a
@@ -171,7 +172,9 @@ class Heartbeat:
         self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
         self._holding, self._superseded, self._returned = holding, superseded, returned
         self._idle = idle
-        self.on_host = 1  # live workers of the queue on this host, as of the last look
+        # Live workers of the queue on this host, as of the last look; None until the first
+        # beat counts them (see beat()).
+        self.on_host: Optional[int] = None
         self.stop_event = threading.Event()
         self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self.stop_event),
                                         name=f"wq_sql-heartbeat-{queue}", daemon=True)
@@ -187,15 +190,25 @@ class Heartbeat:
         if held is None:
             return
         tokens, buffered = held
-        d, t = self.db.dialect, self.terms
-        ok = self.db.tx(lambda c: ops.renew(c, d, self.me.worker_id, self.me.incarnation, sorted(tokens),
-                                            t.lease_seconds, t.max_item_seconds, buffered))
+        d, t, me, count = self.db.dialect, self.terms, self.me, self.on_host is None
+
+        def renew(c: Connection) -> tuple[bool, Optional[int]]:
+            ok = ops.renew(c, d, me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds,
+                           t.max_item_seconds, buffered)
+            # The first beat counts this host's workers instead of looking at once: workers that
+            # start together beat together, and N first looks at the same moment read N x N
+            # worker rows and check every pid of the host in each (the 200-worker long tail's
+            # ~1 s takes: bench/cluster_scale.py tail).
+            return ok, ops.live_on_host(c, self.qid, hostname()) if ok and count else None
+
+        ok, on_host = self.db.tx(renew)
         if not ok:
             self._superseded()
             return
         if buffered:
             self._idle(t.heartbeat_seconds)
-        if self.db.may_expire and looks_this_beat(self.on_host, random.random()):
+        self.on_host = on_host or self.on_host
+        if self.db.may_expire and looks_this_beat(self.on_host or 1, random.random()):
             n, on_host = return_lost(self.db, self.qid, self.me, t.max_attempts, self.queue)
             self.on_host = on_host or self.on_host
             if n:

@@ -389,10 +389,14 @@ def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str)
                held.label("held"))
         .where(workers.c.queue_id == qid, workers.c.id != me, workers.c.heartbeat_at.is_not(None),
                or_(workers.c.host == host, stale))).all()
-    on_host = conn.execute(select(func.count()).where(
-        workers.c.queue_id == qid, workers.c.host == host, workers.c.heartbeat_at.is_not(None))).scalar_one()
     return [Holder(r.id, r.name, r.host, r.pid, r.proc_start, r.incarnation, float(r.age), bool(r.stale),
-                   int(r.held)) for r in rows if r.held], int(on_host)
+                   int(r.held)) for r in rows if r.held], live_on_host(conn, qid, host)
+
+
+def live_on_host(conn: Connection, qid: int, host: str) -> int:
+    """How many live (registered, not closed) workers the queue has on ``host``."""
+    return int(conn.execute(select(func.count()).where(
+        workers.c.queue_id == qid, workers.c.host == host, workers.c.heartbeat_at.is_not(None))).scalar_one())
 
 
 def give_back_held(conn: Connection, b: Dialect, qid: int, h: Holder, max_attempts: int, why: str,
@@ -574,13 +578,16 @@ def progress(conn: Connection, qid: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Peek:
     """One poll of a waiting worker: whether an item is pending, whether a lease has expired, how
-    many items are finished, how many epochs have rows, how many items this worker holds."""
+    many items are finished (done or failed) and failed, how many epochs have rows and how many
+    the queue has, how many items this worker holds."""
 
     pending: bool
     expired: bool
     finished: int
     epochs_created: int
     mine: int
+    failed: int = 0
+    num_epochs: int = 0
 
 
 def peek(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
@@ -594,9 +601,13 @@ def peek(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
             .scalar_subquery())
     finished = (select(func.coalesce(func.sum(tallies.c.n_done + tallies.c.n_failed), 0))
                 .where(tallies.c.queue_id == qid).scalar_subquery())
+    failed = (select(func.coalesce(func.sum(tallies.c.n_failed), 0))
+              .where(tallies.c.queue_id == qid).scalar_subquery())
     created = select(queues.c.epochs_created).where(queues.c.id == qid).scalar_subquery()
-    row = conn.execute(select(pending.exists(), expired.exists(), finished, created, mine)).one()
-    return Peek(bool(row[0]), bool(row[1]), int(row[2]), int(row[3]), int(row[4]))
+    num_epochs = select(queues.c.num_epochs).where(queues.c.id == qid).scalar_subquery()
+    row = conn.execute(select(pending.exists(), expired.exists(), finished, created, mine, failed,
+                              num_epochs)).one()
+    return Peek(bool(row[0]), bool(row[1]), int(row[2]), int(row[3]), int(row[4]), int(row[5]), int(row[6]))
 
 
 def held_by(conn: Connection, qid: int, worker_id: int) -> list[Claimed]:
