@@ -191,6 +191,8 @@ class Dispenser:
         """Send the pending acknowledgements now, in a round that claims nothing (they otherwise
         ride on the next claim round, which with large rounds may be a while)."""
         with self.lock:
+            while self.filling:  # a refill in flight carries acks of its own: let it land
+                self.changed.wait()
             if self.closed or os.getpid() != self.pid or not self.book.acks:
                 return
             acks = self.book.send_acks()
