@@ -41,8 +41,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run(url: str) -> None:
     works = ["a.txt", "b.txt", "c.txt", "d.txt"]
     print(f"create queue {QUEUE!r} of {works} in {safe_url(resolve_url(url))}")
+    # lease_ahead=1, claim_ahead=False: one item per round trip and none claimed ahead, so a
+    # released or failed item is the next one this worker takes. By default a worker claims
+    # ahead (as many items as cover ~0.1 s of its work) and hands out what it holds first.
     with WorkQueue(works, num_epochs=1, shuffle=False, name=QUEUE, url=url, worker="worker-0",
-                   auto_complete=False, max_attempts=2) as wq:
+                   auto_complete=False, max_attempts=2, lease_ahead=1, claim_ahead=False) as wq:
         item = wq.take()
         wq.complete(item)
         print(f"took {item!r} (epoch {item.epoch}, seq {item.seq}) -> complete: done")

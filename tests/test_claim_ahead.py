@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from conftest import ROOT
 
@@ -60,7 +61,8 @@ def test_take_finds_the_next_item_claimed_just_in_time(db_url: str) -> None:
 
 
 def test_without_claim_ahead_take_claims_itself(db_url: str) -> None:
-    wq = WorkQueue([f"w{i}" for i in range(6)], url=db_url, heartbeat_seconds=5)
+    wq = WorkQueue([f"w{i}" for i in range(6)], url=db_url, heartbeat_seconds=5, claim_ahead=False,
+                   lease_ahead=1)
     rounds = record_rounds(wq)
     for k in range(5):
         wq.take()
@@ -115,7 +117,8 @@ def test_claim_ahead_with_lease_ahead_claims_a_batch_when_the_buffer_runs_out(db
 def test_an_idle_worker_polls_at_its_own_pace(db_url: str) -> None:
     """A worker that waits for another's last item notices the end about as fast as it used to
     take items, not after a poll_seconds backoff."""
-    a = WorkQueue([f"w{i}" for i in range(6)], url=db_url, worker="a", poll_seconds=20)
+    a = WorkQueue([f"w{i}" for i in range(6)], url=db_url, worker="a", poll_seconds=20,
+                  claim_ahead=False, lease_ahead=1)
     b = WorkQueue.attach(url=db_url, worker="b")
     for _ in range(5):
         a.take()
@@ -139,3 +142,31 @@ def test_an_idle_worker_polls_at_its_own_pace(db_url: str) -> None:
     assert ended[0] - done_at < 1.0, "the idle poll backed off towards poll_seconds=20"
     a.close()
     b.close()
+
+
+def test_items_claimed_ahead_go_back_once_the_worker_stops_taking(db_url: str) -> None:
+    """A worker that stays open but stops iterating does not sit on what it claimed ahead: its
+    heartbeat gives the buffered items back after two beats without a take()."""
+    a = WorkQueue([f"w{i}" for i in range(6)], shuffle=False, url=db_url, worker="a", heartbeat_seconds=0.5)
+    b = WorkQueue.attach(url=db_url, worker="b", claim_ahead=False)
+    for _ in range(5):
+        a.take()
+        time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while a.buffered == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.buffered == 1, "claim-ahead did not claim the last item"
+    t = time.monotonic()
+    assert str(b.take(timeout=20)) == "w5"  # a never takes it: its heartbeat gave it back
+    assert time.monotonic() - t >= 0.9  # not before two beats without a take()
+    assert a.buffered == 0
+    b.close()
+    with pytest.raises(QueueExhausted):
+        a.take()
+    a.close()
+    engine = sa.create_engine(resolve_url(db_url))
+    with engine.connect() as c:
+        kinds = c.execute(sa.text("SELECT kind FROM wq_history WHERE seq = 5 ORDER BY event_id"))
+        kinds = kinds.scalars().all()
+    engine.dispose()
+    assert kinds == ["claim", "release", "claim", "done"], kinds

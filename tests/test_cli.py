@@ -60,7 +60,7 @@ HOLDER = """
 import sys
 from wq_sql import WorkQueue
 wq = WorkQueue([f"w{i}" for i in range(10)], num_epochs=2, shuffle=False, name="train",
-               url=sys.argv[1], worker="alice")
+               url=sys.argv[1], worker="alice", lease_ahead=1, claim_ahead=False)  # no item ahead
 for _ in range(4):
     wq.take()  # three done (each acked by the next take), the fourth claimed
 print("holding", flush=True)
@@ -324,9 +324,9 @@ def test_requeue_expired_and_done_keep_the_counters_right(db_url: str,
     from wq_sql import QueueExhausted, WorkQueue
 
     wq_ = WorkQueue([f"w{i}" for i in range(6)], num_epochs=2, shuffle=False, name="train", url=db_url,
-                    worker="alice")
+                    worker="alice", lease_ahead=1, claim_ahead=False)  # the exact histories below
     items = [wq_.take() for _ in range(4)]  # 3 done, the 4th claimed
-    other = WorkQueue.attach("train", url=db_url, worker="bob")
+    other = WorkQueue.attach("train", url=db_url, worker="bob", lease_ahead=1, claim_ahead=False)
     other_item = other.take()  # claimed, its lease is live: --expired leaves it alone
     query_commit(db_url, "UPDATE wq_items SET lease_until = :t WHERE id = :i", t="2000-01-01 00:00:00.000000",
                  i=items[-1].item_id)
@@ -476,8 +476,10 @@ def test_status_reports_one_item_done_and_each_workers_last_minute(
         return out, table(out, "WORKER")  # ... HOLDING DONE FAILED DONE/MIN
 
     works = [f"w{i}" for i in range(10)]
-    with WorkQueue(works, shuffle=False, name="q", url=db_url, worker="alice", auto_complete=False) as a, \
-         WorkQueue.attach("q", url=db_url, worker="bob", auto_complete=False) as b:
+    one = {"lease_ahead": 1, "claim_ahead": False}  # one item per round, none ahead: exact counts
+    with WorkQueue(works, shuffle=False, name="q", url=db_url, worker="alice", auto_complete=False,
+                   **one) as a, \
+         WorkQueue.attach("q", url=db_url, worker="bob", auto_complete=False, **one) as b:
         out, _ = status()
         assert "throughput: no item done in the last minute  ETA -" in out
         a.complete(a.take())
@@ -510,8 +512,9 @@ def test_status_splits_buffered_from_holding_and_marks_stale_workers(
 
     works = [f"w{i}" for i in range(10)]
     with WorkQueue(works, shuffle=False, name="q", url=db_url, worker="alice", lease_ahead=3,
-                   heartbeat_seconds=0.3) as a, \
-         WorkQueue.attach("q", url=db_url, worker="bob", heartbeat_seconds=20) as b:
+                   heartbeat_seconds=0.3, claim_ahead=False) as a, \
+         WorkQueue.attach("q", url=db_url, worker="bob", heartbeat_seconds=20, lease_ahead=1,
+                          claim_ahead=False) as b:
         a.take()
         b.take()
         deadline = time.monotonic() + 30

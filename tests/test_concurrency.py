@@ -382,7 +382,8 @@ import json, os, sys
 from wq_sql import WorkQueue
 
 url, out = sys.argv[1], sys.argv[2]
-wq = WorkQueue([f"w{i:03d}" for i in range(50)], shuffle=False, name="outlive", url=url, worker="p")
+wq = WorkQueue([f"w{i:03d}" for i in range(50)], shuffle=False, name="outlive", url=url, worker="p",
+               lease_ahead=1, claim_ahead=False)  # nothing claimed ahead: the exact items below
 first = wq.take()
 r1, w1 = os.pipe()
 r2, w2 = os.pipe()

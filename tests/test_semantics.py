@@ -372,7 +372,10 @@ def test_bad_num_slices(db_url: str, num_slices: Any) -> None:
 
 def test_a_million_epochs_leave_at_most_two_epochs_of_rows(db_url: str) -> None:
     works = [f"f{i}" for i in range(5)]
-    with WorkQueue(works, num_epochs=10**6, seed=1, name="q", url=db_url, worker="w") as wq:
+    # One item per round, none ahead (a round of the automatic size may span several 5-item
+    # epochs, each of which then has rows: the bound is two epochs beyond what was claimed).
+    with WorkQueue(works, num_epochs=10**6, seed=1, name="q", url=db_url, worker="w", lease_ahead=1,
+                   claim_ahead=False) as wq:
         assert wq.progress().total == 5 * 10**6
         rows = query(db_url, "SELECT epoch, count(*) FROM wq_items GROUP BY epoch ORDER BY epoch")
         assert len(rows) <= 2 and rows[0] == (0, 5)
@@ -456,7 +459,10 @@ def test_shuffle_false_gives_works_times_epochs_in_order(db_url: str) -> None:
 
 
 def test_release_does_not_count_an_attempt(db_url: str) -> None:
-    with WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="w") as wq:
+    # One item per round, none ahead: the released item is the next one claimed (a worker that
+    # claimed ahead hands out what it already holds first).
+    with WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="w", lease_ahead=1,
+                   claim_ahead=False) as wq:
         for _ in range(5):
             item = wq.take()
             assert item == "a"
@@ -471,7 +477,7 @@ def test_release_does_not_count_an_attempt(db_url: str) -> None:
 
 def test_fail_counts_attempts_until_failed(db_url: str) -> None:
     with WorkQueue(["bad", "good"], shuffle=False, max_attempts=3, name="q", url=db_url,
-                   worker="w") as wq:
+                   worker="w", lease_ahead=1, claim_ahead=False) as wq:  # the failed item comes next
         for attempt in range(1, 4):
             item = wq.take()
             assert item == "bad" and item.attempts == attempt - 1

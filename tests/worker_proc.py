@@ -65,6 +65,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lease", type=float, default=60.0)
     p.add_argument("--heartbeat", type=float, default=None)
     p.add_argument("--lease-ahead", type=int, default=1)
+    # Not the library's default (claim_ahead=True): these workers claim nothing behind the test's
+    # back, so a test can say exactly which items a worker holds (tests/test_chaos.py runs the
+    # library's defaults).
+    p.add_argument("--claim-ahead", type=int, default=0)
     p.add_argument("--poll", type=float, default=0.2)
     p.add_argument("--barrier", default=None, help="wait for this file before constructing")
     p.add_argument("--hold", type=int, default=0, help="hold the n-th item received un-acked")
@@ -105,7 +109,7 @@ def main(argv: list[str]) -> int:
         wq = WorkQueue(works, num_epochs=a.num_epochs, shuffle=bool(a.shuffle), seed=a.seed,
                        name=a.name, url=a.url, worker=a.worker, lease_seconds=a.lease,
                        heartbeat_seconds=a.heartbeat, lease_ahead=a.lease_ahead,
-                       poll_seconds=a.poll, auto_complete=not a.ack_log)
+                       poll_seconds=a.poll, auto_complete=not a.ack_log, claim_ahead=bool(a.claim_ahead))
     except WorkerConflict as e:
         _say(f"CONFLICT {time.monotonic() - t0:.3f}")
         print(e, file=sys.stderr)

@@ -26,11 +26,12 @@ from wq_sql.epochs import EpochMaker
 from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
 from wq_sql.holdings import Holdings, WorkItem
 from wq_sql.lease import Member
-from wq_sql.pacer import Pace, Refiller
+from wq_sql.pacer import Pace, Refiller, Sizer
 from wq_sql.weak import weak_method
 
 log = logging.getLogger("wq_sql")
 ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know after this many polls
+IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Rules:
 
     name: str
     worker: str
-    lease_ahead: int
+    lease_ahead: Optional[int]  # None: sized automatically (pacer.Sizer)
     poll_seconds: float
     max_attempts: int
     auto_complete: bool
@@ -75,6 +76,7 @@ class Dispenser:
         self.superseded = False
         self.filling = False                        # a prefetch() round trip is in flight
         self.pace = Pace()                          # how often this worker takes items
+        self.sizer = Sizer(rules.lease_ahead)       # how many items a round claims
         self.refiller: Optional[Refiller] = None   # refills the buffer in the background
         self.pid = os.getpid()
 
@@ -89,9 +91,13 @@ class Dispenser:
     def take_many(self, n: int, deadline: Optional[float], claim: Optional[int],
                   stop: Optional[Callable[[], bool]]) -> list[WorkItem]:
         """``WorkQueue.take_many``: hand out, refill, or wait, until items or an exception."""
+        asked: Optional[float] = time.monotonic()
         while True:
             with self.lock:
                 self.check_usable()
+                if asked is not None:
+                    self.sizer.called(asked)
+                    asked = None
                 book = self.book
                 if self.rules.auto_complete:
                     book.ack_out()
@@ -101,7 +107,9 @@ class Dispenser:
                     self._fill(claim)
                 if book.buffer:
                     got = book.hand_out(n)
-                    self.pace.handed_out(time.monotonic())
+                    now = time.monotonic()
+                    self.pace.handed_out(now)
+                    self.sizer.handed_out(now, len(got))
                     # Claim ahead only once the buffer is empty: a round then claims up to
                     # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
                     r = self.refills() if self.rules.claim_ahead and not book.buffer else None
@@ -179,6 +187,48 @@ class Dispenser:
             self.changed.notify_all()
             return True
 
+    def send_acks(self) -> None:
+        """Send the pending acknowledgements now, in a round that claims nothing (they otherwise
+        ride on the next claim round, which with large rounds may be a while)."""
+        with self.lock:
+            while self.filling:  # a refill in flight carries acks of its own: let it land
+                self.changed.wait()
+            if self.closed or os.getpid() != self.pid or not self.book.acks:
+                return
+            acks = self.book.send_acks()
+            try:
+                self._claim(acks, 0)
+            except BaseException:
+                self.book.unsend(acks)
+                raise
+
+    def give_back_idle(self, beat: float) -> int:
+        """For the heartbeat: give back the buffered (claimed ahead, never handed out) items
+        once this worker's consumer stopped taking: no hand-out for ``IDLE_PACES`` times its
+        usual interval and at least two heartbeats (``beat`` seconds each). A worker that
+        stays open but stopped iterating then never holds items that its peers wait for; the
+        next take() claims again. Returns how many went back."""
+        if not self.lock.acquire(timeout=0.05):
+            return 0  # in use: not idle
+        try:
+            book, last = self.book, self.pace.last
+            if (self.closed or self.filling or not book.buffer or last is None
+                    or os.getpid() != self.pid):
+                return 0
+            idle = time.monotonic() - last
+            if idle < max(2 * beat, IDLE_PACES * (self.pace.interval or 0.0)):
+                return 0
+            give = list(book.buffer)
+            db = self.db
+            back = db.tx(lambda c: ops.release(c, db.dialect, self.qid, self.member.worker_id,
+                                               [i.key for i in give]))
+            book.buffer.clear()
+            log.info("queue %r: worker %r gave back %d item(s) claimed ahead that no take() asked "
+                     "for in %.1f s", self.rules.name, self.rules.worker, len(back), idle)
+            return len(back)
+        finally:
+            self.lock.release()
+
     def wake(self) -> None:
         """``WorkQueue.wake``: every waiting take looks again now."""
         with self.lock:
@@ -189,8 +239,13 @@ class Dispenser:
         """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
         items join the buffer. Returns how many."""
         keys = [a.key for a in acks]
+        t = time.monotonic()
         accepted, got, works = self.db.driver_tx(
             lambda conn: self.round.run(conn, self.qid, self.member.worker_id, keys, limit))
+        if got:
+            now, per_epoch = time.monotonic(), self.extent.items_per_epoch
+            at = [g.epoch * per_epoch + g.seq for g in got]  # positions in claim order
+            self.sizer.claimed(now - t, now, min(at), max(at), len(got), self.extent.total)
         if len(accepted) < len(keys):  # rare: an outage may have lost a committed round's reply
             missing = [k for k in keys if k[0] not in accepted]
             accepted = accepted | self.db.tx(lambda c: ops.done_already(c, missing), read=True)
@@ -203,10 +258,12 @@ class Dispenser:
 
     def _fill(self, limit: Optional[int] = None) -> None:
         """One round trip, with the lock held: acknowledge finished items and claim up to
-        ``limit`` (at most ``lease_ahead``, the default) new ones. If none is claimable, try to
-        make the next epoch, detect the end, or return expired items, in that order."""
+        ``limit`` (at most the round's size, ``lease_ahead``, the default) new ones. If none is
+        claimable, try to make the next epoch, detect the end, or return expired items, in that
+        order."""
         db, qid, rules = self.db, self.qid, self.rules
-        limit = rules.lease_ahead if limit is None else max(1, min(limit, rules.lease_ahead))
+        size = self.sizer.size
+        limit = size if limit is None else max(1, min(limit, size))
         created = self.epochs.created
         acks = self.book.send_acks()
         try:
@@ -241,7 +298,7 @@ class Dispenser:
         """``WorkQueue.prefetch``: top the buffer up without holding the lock meanwhile."""
         with self.lock:
             self.check_usable()
-            n = self.rules.lease_ahead - len(self.book.buffer) - max(0, self.book.handed - 1)
+            n = self.sizer.size - len(self.book.buffer) - max(0, self.book.handed - 1)
             if self.filling or n < max(1, min_claim):
                 return 0
             acks = self.book.send_acks()
@@ -313,6 +370,7 @@ class Dispenser:
         self.filling = False
         self.refiller = None  # the parent's threads do not exist here
         self.pace = Pace()
+        self.sizer = Sizer(self.rules.lease_ahead)
         self.book.clear()
 
     def fresh_locks(self) -> None:

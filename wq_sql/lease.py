@@ -162,13 +162,16 @@ class Heartbeat:
     """Renews this worker's leases every ``heartbeat_seconds`` and returns lost items
     (:func:`return_lost`); on SQLite also checkpoints the WAL every ``CHECKPOINT_SECONDS``.
     ``superseded()`` is called once another process took this identity over; ``returned()``
-    whenever items went back to the queue. The thread holds this object weakly: when its owner
-    is collected, the thread ends."""
+    whenever items went back to the queue; ``idle(heartbeat_seconds)`` after each renewal (the
+    owner gives back items claimed ahead that its consumer stopped asking for). The thread holds
+    this object weakly: when its owner is collected, the thread ends."""
 
     def __init__(self, db: Db, qid: int, me: Member, terms: Terms, queue: str, *, holding: Holding,
-                 superseded: Callable[[], None], returned: Callable[[], None]) -> None:
+                 superseded: Callable[[], None], returned: Callable[[], None],
+                 idle: Callable[[float], object] = lambda beat: None) -> None:
         self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
         self._holding, self._superseded, self._returned = holding, superseded, returned
+        self._idle = idle
         # Live workers of the queue on this host, as of the last look; None until the first
         # beat counts them (see beat()).
         self.on_host: Optional[int] = None
@@ -202,6 +205,8 @@ class Heartbeat:
         if not ok:
             self._superseded()
             return
+        if buffered:
+            self._idle(t.heartbeat_seconds)
         self.on_host = on_host or self.on_host
         if self.db.may_expire and looks_this_beat(self.on_host or 1, random.random()):
             n, on_host = return_lost(self.db, self.qid, self.me, t.max_attempts, self.queue)

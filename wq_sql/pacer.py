@@ -12,6 +12,14 @@ The :class:`Refiller` thread calls it when either trigger fires:
   not sit on work that a fast one could do (the reason not to claim far ahead).
 - a kick (``WorkQueue.refill_soon``, the TensorFlow pipeline after each hand-out): refill now,
   again and again while a round claims something, once at least ``min_claim`` places are free.
+
+How many items a round claims (``lease_ahead``) is the :class:`Sizer`'s: a number given by the
+user, or by default sized from the consumer's own time per item, so that the items claimed
+ahead hold about ``AHEAD_SECONDS`` of its work (a few 20 ms training steps; hundreds of files
+read in a fraction of a millisecond: one round trip, and one Python call of the TF pipeline,
+per hundreds of items), and less as the queue nears its end while other workers share it
+(the time left until nothing is claimable, from the positions of successive claims), so that
+at the end no worker sits on items that idle peers could take.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ log = logging.getLogger("wq_sql")
 SMOOTHING = 0.2  # weight of the newest interval in the moving averages
 RECENT = 8  # intervals whose shortest schedules the next claim
 IDLE_CHECK = 1.0  # seconds: an idle refill thread looks this often whether its owner is gone
+AHEAD_SECONDS = 0.1  # automatic lease_ahead: the consumer's time the items of one round cover
+AUTO_MAX = 512  # automatic lease_ahead: at most this many items per round
+TAIL = 16  # automatic lease_ahead: a round covers at most 1/TAIL of the time until the queue is dry
+ALONE = 0.95  # a worker claiming this share of all claims has no peer to leave items to
 
 
 class Pace:
@@ -53,6 +65,79 @@ class Pace:
         self.last = now
 
 
+def _smooth(average: Optional[float], sample: float) -> float:
+    """The moving average after ``sample`` (the sample itself when there is none yet)."""
+    return sample if average is None else (1 - SMOOTHING) * average + SMOOTHING * sample
+
+
+class Sizer:
+    """How many items a claim round claims: ``fixed`` (the user's ``lease_ahead``), or, when it
+    is None, a size that follows the consumer. The consumer's time per item is the time between
+    a hand-out's return and the next call, over the items handed out (its own work: the time it
+    waits inside ``take()`` for a round trip does not count), smoothed. The size is what covers
+    ``AHEAD_SECONDS`` of that time, and at least what keeps up with the claim round trip (two
+    round trips' worth), from 1 to ``AUTO_MAX``; it at most doubles per hand-out, so a burst
+    of fast pulls at the start (a pipeline filling its buffers) does not claim hundreds of
+    slow items, and shrinks at once when items get slower.
+
+    Near the end: claims go out in (epoch, seq) order, so between two of this worker's rounds
+    the position of the claims tells how fast all workers together claim, and what share of it
+    is this worker's. Unless this worker is alone (its share >= ``ALONE``), a round covers at
+    most ``1 / TAIL`` of the time until every item is claimed (items left / pool rate), down to
+    one item at the end: the dynamic-sharding rule (guided self-scheduling) that keeps a fast
+    worker from holding what idle peers could take, with no count of the workers needed."""
+
+    def __init__(self, fixed: Optional[int]) -> None:
+        self.fixed = fixed
+        self.size = fixed or 1
+        self.per_item: Optional[float] = None  # seconds of the consumer's own time per item
+        self.round_trip: Optional[float] = None  # seconds per claim round, smoothed
+        self.pool_rate: Optional[float] = None  # items claimed per second by all workers
+        self.share: Optional[float] = None  # this worker's share of the claims, smoothed
+        self.left = 0  # items after this worker's last claim, in claim order
+        self._returned: Optional[float] = None
+        self._handed = 0
+        self._last: Optional[tuple[float, int, int]] = None  # (time, first position, items) of the last round
+
+    def called(self, now: float) -> None:
+        """A hand-out was asked for at ``now``: what the consumer spent on the last one."""
+        if self.fixed is not None or self._returned is None or not self._handed:
+            return
+        self.per_item = _smooth(self.per_item, (now - self._returned) / self._handed)
+        self._returned = None
+        self._resize()
+
+    def handed_out(self, now: float, n: int) -> None:
+        """``n`` items were handed out, returning to the consumer at ``now``."""
+        self._returned, self._handed = now, n
+
+    def claimed(self, seconds: float, now: float, first: int, last: int, n: int, total: int) -> None:
+        """A claim round took ``seconds`` and claimed ``n`` items, at positions ``first`` to
+        ``last`` in claim order (``epoch * items_per_epoch + seq``) of ``total``."""
+        if self.fixed is not None:
+            return
+        self.round_trip = _smooth(self.round_trip, seconds)
+        if not n:
+            return
+        self.left = max(0, total - 1 - last)
+        prev, self._last = self._last, (now, first, n)
+        if prev is None or first <= prev[1] or now <= prev[0]:
+            return  # the first round, or items that came back (released, expired): no rate
+        rate, share = (first - prev[1]) / (now - prev[0]), min(1.0, prev[2] / (first - prev[1]))
+        self.pool_rate = _smooth(self.pool_rate, rate)
+        self.share = _smooth(self.share, share)
+
+    def _resize(self) -> None:
+        per = self.per_item
+        if per is None:
+            return
+        cover = max(AHEAD_SECONDS, 2 * (self.round_trip or 0.0))
+        if self.pool_rate and self.share is not None and self.share < ALONE:
+            cover = min(cover, self.left / self.pool_rate / TAIL)
+        want = AUTO_MAX if per <= cover / AUTO_MAX else max(1, int(cover / per + 1e-6))
+        self.size = min(want, 2 * self.size, AUTO_MAX)
+
+
 class Refiller:
     """The refill thread of one queue object (see the module docstring). ``refill(min_claim)``
     claims into the buffer and returns how many it claimed. The thread holds this object
@@ -72,11 +157,12 @@ class Refiller:
         self._thread.start()
 
     def schedule(self, pace: Pace) -> None:
-        """A hand-out happened: claim the next item when it is about to be wanted."""
-        if pace.last is None:
-            return
+        """A hand-out happened: claim the next item when it is about to be wanted. Nothing
+        before the pace is known (two hand-outs): a worker that took one item holds one."""
         fastest = pace.fastest
-        ahead = 0.0 if fastest is None else max(0.0, fastest - 2 * self.round_trip)
+        if pace.last is None or fastest is None:
+            return
+        ahead = max(0.0, fastest - 2 * self.round_trip)
         with self._wake:
             self._due = pace.last + ahead
             self._wake.notify()

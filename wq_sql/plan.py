@@ -293,7 +293,7 @@ class Options:
     checked by :func:`check_options`; ``heartbeat_seconds`` is resolved to its default here."""
 
     lease_seconds: float
-    lease_ahead: int
+    lease_ahead: Optional[int]
     max_attempts: Optional[int]
     auto_complete: bool
     max_item_seconds: Optional[float]
@@ -305,14 +305,16 @@ class Options:
     run: Optional[tuple[str, int]] = None
 
 
-def check_options(lease_seconds: float, lease_ahead: int, max_attempts: Optional[int], auto_complete: bool,
-                  max_item_seconds: Optional[float], heartbeat_seconds: Optional[float], poll_seconds: float,
-                  busy_timeout: float, schema: Optional[str], claim_ahead: bool,
+def check_options(lease_seconds: float, lease_ahead: Optional[int], max_attempts: Optional[int],
+                  auto_complete: bool, max_item_seconds: Optional[float],
+                  heartbeat_seconds: Optional[float], poll_seconds: float, busy_timeout: float,
+                  schema: Optional[str], claim_ahead: bool,
                   run: Optional[tuple[str, int]] = None) -> Options:
     check_seconds("lease_seconds", lease_seconds)
     check_positive("busy_timeout", busy_timeout)
     check_positive("poll_seconds", poll_seconds)
-    check_count("lease_ahead", lease_ahead)
+    if lease_ahead is not None:
+        check_count("lease_ahead", lease_ahead)
     if max_attempts is not None:
         check_count("max_attempts", max_attempts)
     for what, seconds in (("max_item_seconds", max_item_seconds), ("heartbeat_seconds", heartbeat_seconds)):

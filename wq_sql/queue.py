@@ -30,6 +30,7 @@ from wq_sql.identity import check_worker_name, default_worker_name
 from wq_sql.join import open_queue
 from wq_sql.lease import Heartbeat, Terms, register
 from wq_sql.migrate import ensure_schema
+from wq_sql.pacer import AUTO_MAX
 from wq_sql.plan import (
     Part,
     QueueSpec,
@@ -93,7 +94,11 @@ class WorkQueue:
       items its previous process held, at once.
     - ``lease_seconds=60``: how long a claimed item stays claimed after its worker's last
       heartbeat; then any worker may take it (an attempt counted).
-    - ``lease_ahead=1``: items claimed per round trip, kept in a local buffer until taken.
+    - ``lease_ahead=None``: items claimed per round trip, kept in a local buffer until taken.
+      ``None`` sizes it from this worker's own time per item (the time between hand-outs
+      outside ``take()``): the items of one round cover about 20 ms of its work, from 1 (steps
+      of 20 ms or more) to 512 (items used in microseconds); see :class:`wq_sql.pacer.Sizer`.
+      :attr:`lease_ahead` reads the size in force.
     - ``max_attempts=None``: failed deliveries (``fail()``, an expired lease, a crash) after
       which an item is ``failed``; ``None`` means the stored value when joining, 3 when creating.
     - ``auto_complete=True``: ``take()`` marks the previous item done; ``False``: items are done
@@ -111,9 +116,10 @@ class WorkQueue:
     - ``schema``: the PostgreSQL schema that holds the tables (teams sharing one database).
     - ``engine``: an SQLAlchemy engine of your own instead of one made from ``url`` (not needed
       behind PgBouncer: a plain URL works in transaction mode, see ``wq_sql.pooling``).
-    - ``claim_ahead=False``: claim the next item in a background thread shortly before this
-      worker is expected to take it (by its own pace), so ``take()`` rarely waits for the
-      database (see :mod:`wq_sql.pacer`).
+    - ``claim_ahead=True``: once the buffer is empty, claim the next round in a background
+      thread shortly before this worker is expected to take it (by its own pace), so ``take()``
+      rarely waits for the database (see :mod:`wq_sql.pacer`). ``False``: ``take()`` claims
+      itself when the buffer is empty, nothing is claimed behind the caller's back.
     - ``run=(run_id, restart)``: the job run this worker belongs to and its restart count; a worker
       of a later restart returns the earlier restarts' items at once (``wq_sql.torch`` passes
       torchrun's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``).
@@ -126,11 +132,12 @@ class WorkQueue:
                  seed: Optional[int] = None, prefix: Optional[str] = None,
                  num_slices: Optional[int] = None, name: str = "work_queue", *,
                  url: Optional[str | URL] = None, worker: Optional[str] = None,
-                 lease_seconds: float = 60.0, lease_ahead: int = 1, max_attempts: Optional[int] = None,
+                 lease_seconds: float = 60.0, lease_ahead: Optional[int] = None,
+                 max_attempts: Optional[int] = None,
                  auto_complete: bool = True, max_item_seconds: Optional[float] = None,
                  heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
                  busy_timeout: float = 30.0, schema: Optional[str] = None,
-                 engine: Optional[Engine] = None, claim_ahead: bool = False,
+                 engine: Optional[Engine] = None, claim_ahead: bool = True,
                  run: Optional[tuple[str, int]] = None) -> None:
         self.name = check_name(name)
         spec = None if works is None else QueueSpec(
@@ -161,7 +168,7 @@ class WorkQueue:
             rules = Rules(self.name, self.worker, o.lease_ahead, o.poll_seconds, row.max_attempts,
                           o.auto_complete, o.claim_ahead)
             self._d = Dispenser(db, self._qid, member, Holdings(self.prefix),
-                                ClaimRound(db.dialect, o.lease_ahead, o.lease_seconds, schema),
+                                ClaimRound(db.dialect, o.lease_ahead or AUTO_MAX, o.lease_seconds, schema),
                                 epochs, self._extent, rules)
             self._endings = Endings(db, self._qid, self._d)
             self._start(recovered)
@@ -172,7 +179,6 @@ class WorkQueue:
             raise
 
     lease_seconds: Part[float] = Part("_opts")
-    lease_ahead: Part[int] = Part("_opts")
     auto_complete: Part[bool] = Part("_opts")
     max_item_seconds: Part[Optional[float]] = Part("_opts")
     heartbeat_seconds: Part[float] = Part("_opts")
@@ -189,6 +195,11 @@ class WorkQueue:
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
         """Join an existing queue without repeating its works: ``WorkQueue.attach("q", url=...)``."""
         return cls(None, name=name, **kwargs)
+
+    @property
+    def lease_ahead(self) -> int:
+        """Items a claim round claims now: the ``lease_ahead`` given, or the automatic size."""
+        return self._d.sizer.size
 
     @property
     def items_per_epoch(self) -> int:
@@ -241,7 +252,8 @@ class WorkQueue:
         self._heartbeat = Heartbeat(self._db, self._qid, d.member, self._terms(), self.name,
                                     holding=weak_method(d.holding, None),
                                     superseded=weak_method(d.lose_identity, None),
-                                    returned=weak_method(d.wake, None))
+                                    returned=weak_method(d.wake, None),
+                                    idle=weak_method(d.give_back_idle, 0))
 
     # ------------------------------------------------------------------ taking
 
@@ -423,7 +435,10 @@ class WorkQueue:
     # ------------------------------------------------------------------ progress and lifecycle
 
     def progress(self) -> Progress:
-        """Counts from the counters table (no scan of the items)."""
+        """Counts from the counters table (no scan of the items), after sending this object's
+        pending acknowledgements (items finished here count)."""
+        self._d.send_acks()
+
         def read(c: Connection) -> tuple[tuple[int, int], int]:
             return ops.progress(c, self._qid), ops.epochs_created(c, self._qid)
 

@@ -34,10 +34,11 @@ reached (buffered, plus those of the last hand-out beyond the first) stay at mos
 ``lease_ahead``; one refill at a time. Consumed: the items of one hand-out are done when the
 next hand-out is taken, which tf.data does only after the pipeline pulled all of them, so an
 item is never done before the pipeline reached it; after a crash, up to ``k - 1`` items that
-were already read may be delivered again (never lost). With ``lease_ahead=1`` (the default)
-nothing changes but the overlap: one item per call and per round trip. For many small files use
-a larger ``lease_ahead``, so that the items claimed ahead cover tens of milliseconds of reading
-(``bench/tf_textline.py``; numbers in ``BENCHMARKS.md``).
+were already read may be delivered again (never lost). By default (no ``lease_ahead``) the core
+sizes ``lease_ahead`` from the pipeline's own time per item (:class:`wq_sql.pacer.Sizer`), so the
+items claimed ahead cover about 20 ms of reading: hundreds of small files per round trip and per
+Python call, one item at a time when an item takes 20 ms or more; ``k`` follows it. A fixed
+``lease_ahead=n`` turns that off (``bench/tf_textline.py``; numbers in ``BENCHMARKS.md``).
 
 Checkpoint-consistent consumption (``WorkQueue(..., consumed="checkpoint")``): items handed to
 the pipeline stay claimed until a model checkpoint covers them; :meth:`WorkQueue.checkpoint_manager`
@@ -135,7 +136,9 @@ class WorkQueue:
         self._taken = 0
         self._last_epoch = 0
         self._cancel_generation = 0
-        self._hand_out = max(1, (self.queue.lease_ahead + 1) // 2)  # items per input_dataset call
+        # Items per input_dataset call: half of lease_ahead, which follows the pipeline when sized
+        # automatically; the largest so far bounds what the pipeline may have read ahead.
+        self._hand_out = max(1, (self.queue.lease_ahead + 1) // 2)
 
     @classmethod
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
@@ -285,7 +288,9 @@ class WorkQueue:
             # With an empty buffer (the first pull), claim at most _FIRST_CLAIM items, so the
             # pipeline starts after a short round trip; the refill thread claims the rest while
             # the pipeline reads those.
-            items = self._take_items(self._hand_out, claim=min(self._hand_out, _FIRST_CLAIM))
+            k = max(1, (self.queue.lease_ahead + 1) // 2)
+            self._hand_out = max(self._hand_out, k)
+            items = self._take_items(k, claim=min(k, _FIRST_CLAIM))
         except QueueExhausted:
             return np.array([], dtype=object)
         # The core's refill thread tops its buffer up again, off the pipeline's path, once at
@@ -436,8 +441,9 @@ class WorkQueue:
     @property
     def default_read_ahead(self) -> int:
         """The read-ahead assumed when none is given and the pipeline's iterator is not in the
-        checkpoint: ``DEFAULT_READ_AHEAD`` plus the items of one hand-out (see the module
-        docstring, "Checkpoint-consistent consumption")."""
+        checkpoint: ``DEFAULT_READ_AHEAD`` plus the items of the largest hand-out so far (with
+        the automatic ``lease_ahead`` it grows as the hand-outs do; see the module docstring,
+        "Checkpoint-consistent consumption")."""
         return DEFAULT_READ_AHEAD + self._hand_out
 
     def before_save(self) -> Mark:
@@ -492,7 +498,7 @@ class WorkQueue:
     def checkpoint_listener(self, read_ahead: Optional[int] = None) -> CheckpointListener:
         """A TF1 ``CheckpointSaverListener`` for ``CheckpointSaverHook(listeners=[...])`` (see
         :class:`CheckpointListener`)."""
-        return CheckpointListener(self, self.default_read_ahead if read_ahead is None else read_ahead)
+        return CheckpointListener(self, read_ahead)
 
     def _need_checkpoint_mode(self) -> None:
         if self.consumed != "checkpoint":

@@ -28,21 +28,25 @@ class CheckpointManager:
 
     ``read_ahead=0`` (the default when ``checkpoint`` holds a ``tf.data`` iterator): exactly once
     relative to the restored checkpoint. ``read_ahead=W`` (the default otherwise is
-    ``wq.default_read_ahead``): at least once, duplicates bounded by the records of ``W`` items."""
+    ``wq.default_read_ahead``, read at each save: it grows with the hand-outs): at least once,
+    duplicates bounded by the records of ``W`` items."""
 
     def __init__(self, work_queue: WorkQueue, checkpoint: tf.train.Checkpoint, directory: str,
                  max_to_keep: Optional[int] = 5, *, read_ahead: Optional[int] = None, **kwargs: Any) -> None:
         work_queue._need_checkpoint_mode()
-        if read_ahead is None:
-            read_ahead = 0 if _holds_iterator(checkpoint) else work_queue.default_read_ahead
-        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
-            raise ValueError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+        if read_ahead is None and _holds_iterator(checkpoint):
+            read_ahead = 0
         self.work_queue = work_queue
         self.checkpoint = checkpoint
-        self.read_ahead = read_ahead
+        self._read_ahead = _check_read_ahead(read_ahead)
         self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep, **kwargs)
         if read_ahead == 0:
             _bracket_iterators(checkpoint, work_queue.ledger)
+
+    @property
+    def read_ahead(self) -> int:
+        """The read-ahead the next save assumes (the queue's default, as of now, unless given)."""
+        return self.work_queue.default_read_ahead if self._read_ahead is None else self._read_ahead
 
     @property
     def latest_checkpoint(self) -> Optional[str]:
@@ -135,13 +139,18 @@ class CheckpointListener(tf.compat.v1.train.CheckpointSaverListener):
     :meth:`WorkQueue.after_save`; 0 only if the pipeline's iterator is saved in the checkpoint
     (``tf.data.experimental.make_saveable_from_iterator``)."""
 
-    def __init__(self, work_queue: WorkQueue, read_ahead: int) -> None:
+    def __init__(self, work_queue: WorkQueue, read_ahead: Optional[int] = None) -> None:
         work_queue._need_checkpoint_mode()
         self.work_queue = work_queue
-        self.read_ahead = read_ahead
+        self._read_ahead = _check_read_ahead(read_ahead)
         self._restored = False
         self._before: Optional[Mark] = None
         self._last: Optional[tuple[int, Mark]] = None
+
+    @property
+    def read_ahead(self) -> int:
+        """The read-ahead the next save assumes (the queue's default, as of now, unless given)."""
+        return self.work_queue.default_read_ahead if self._read_ahead is None else self._read_ahead
 
     def before_save(self, session: Any, global_step_value: Any) -> None:
         if not self._restored:
@@ -208,3 +217,11 @@ def _holds_iterator(checkpoint: Any) -> bool:
         return any(isinstance(obj, tf.data.Iterator) for obj in objects)
     except Exception:  # not a trackable object graph: assume no iterator (at least once)
         return False
+
+
+def _check_read_ahead(read_ahead: Optional[int]) -> Optional[int]:
+    """``read_ahead``: None (the queue's default at each save) or an int >= 0."""
+    if read_ahead is not None and (isinstance(read_ahead, bool) or not isinstance(read_ahead, int)
+                                   or read_ahead < 0):
+        raise ValueError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+    return read_ahead

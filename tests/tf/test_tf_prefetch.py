@@ -50,7 +50,7 @@ def test_prefetch_tops_up_to_lease_ahead_and_sends_the_acks(url: str) -> None:
 
 def test_take_many_hands_out_what_is_buffered_and_acks_a_hand_out_at_the_next(url: str) -> None:
     works = [f"w{i}" for i in range(10)]
-    wq = wq_sql.WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=4)
+    wq = wq_sql.WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=4, claim_ahead=False)
     assert wq.take_many(3) == ["w0", "w1", "w2"]  # one round trip claimed w0..w3
     assert wq.take_many(3) == ["w3"]              # what the buffer holds; w0..w2 acked next trip
     assert states_of(url, "work_queue", "w") == {"claimed": 4}

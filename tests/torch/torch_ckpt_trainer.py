@@ -62,7 +62,7 @@ def main() -> None:
         def save(epoch: int, pass_ended: bool) -> None:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "loader": loader.state_dict(), "epoch": epoch, "pass_ended": pass_ended}
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(path.name + ".tmp")  # per rank: ckpt.pt.rank0 -> ckpt.pt.rank0.tmp
             torch.save(state, tmp)
             os.replace(tmp, path)
             log.write(json.dumps({"saved": step}) + "\n")

@@ -1,0 +1,127 @@
+"""The automatic hand-out size (``lease_ahead=None``, :class:`wq_sql.pacer.Sizer`): rounds cover
+about ``AHEAD_SECONDS`` of the consumer's own time, one item for slow steps, hundreds for fast
+reads; a given ``lease_ahead`` stays as given."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import sqlalchemy as sa
+
+from wq_sql import WorkQueue
+from wq_sql.pacer import AHEAD_SECONDS, AUTO_MAX, TAIL, Sizer
+
+
+def feed(s: Sizer, per_item: float, rounds: int, t: float = 0.0, n: int = 1) -> float:
+    """``rounds`` hand-outs of ``n`` items, each used for ``per_item`` seconds by the consumer."""
+    for _ in range(rounds):
+        s.called(t)
+        s.handed_out(t, n)
+        t += per_item * n
+    s.called(t)
+    return t
+
+
+def test_slow_steps_claim_few_items() -> None:
+    s = Sizer(None)
+    feed(s, 0.020, 50)  # 20 ms training steps
+    assert s.size == int(AHEAD_SECONDS / 0.020)
+    feed(s, 0.5, 10)  # longer steps than AHEAD_SECONDS: one item per round
+    assert s.size == 1
+
+
+def test_fast_reads_grow_to_what_covers_the_ahead_time_doubling_at_most() -> None:
+    s = Sizer(None)
+    sizes = []
+    t = 0.0
+    for _ in range(12):
+        t = feed(s, 40e-6, 1, t, n=s.size)
+        sizes.append(s.size)
+    assert sizes[:5] == [2, 4, 8, 16, 32]  # at most doubling per hand-out
+    assert sizes[-1] == min(AUTO_MAX, int(AHEAD_SECONDS / 40e-6))
+    feed(s, 1e-7, 20, t, n=s.size)
+    assert s.size == AUTO_MAX
+
+
+def test_the_size_shrinks_at_once_when_items_get_slower() -> None:
+    s = Sizer(None)
+    t = feed(s, 40e-6, 40)
+    assert s.size == AUTO_MAX
+    feed(s, 0.040, 12, t)  # the smoothed time per item converges to 40 ms
+    assert s.size == int(AHEAD_SECONDS / 0.040)
+
+
+def test_a_slow_round_trip_claims_enough_to_keep_up() -> None:
+    s = Sizer(None)
+    for _ in range(30):
+        s.claimed(0.300, 0.0, 0, 0, 0, 10**6)  # 300 ms per claim round (a far database)
+    feed(s, 0.010, 30)
+    assert 59 <= s.size <= 60  # two round trips' worth (0.6 s / 10 ms), more than AHEAD_SECONDS
+    assert Sizer(7).size == 7
+    fixed = Sizer(7)
+    feed(fixed, 40e-6, 30)
+    assert fixed.size == 7
+
+
+def claims(s: Sizer, rounds: int, peers: int, per_item: float, total: int, t: float = 0.0,
+           pos: int = 0) -> tuple[float, int]:
+    """``rounds`` claim rounds of this worker, each of ``s.size`` items used in ``per_item`` s
+    each, while ``peers`` other workers as fast as this one claim one item per ``per_item``."""
+    for _ in range(rounds):
+        n = min(s.size, total - pos)
+        if n <= 0:
+            break
+        s.claimed(0.001, t, pos, pos + n - 1, n, total)
+        for _ in range(n):
+            s.called(t)
+            s.handed_out(t, 1)
+            t += per_item
+        pos += n + peers * n  # the peers claimed as many meanwhile
+    s.called(t)
+    return t, pos
+
+
+def test_near_the_end_rounds_shrink_to_one_item_when_peers_share_the_queue() -> None:
+    s = Sizer(None)
+    t, pos = claims(s, 10, 7, 0.002, 100_000)  # 8 workers, 2 ms items, far from the end
+    assert s.size == int(AHEAD_SECONDS / 0.002)
+    assert 0.1 < s.share < 0.2
+    seen = []
+    while pos < 100_000:
+        t, pos = claims(s, 1, 7, 0.002, 100_000, t, pos)
+        seen.append((100_000 - pos, s.size))
+    # a round covers at most 1/TAIL of the time left: one item once the pool needs < TAIL items' time
+    assert all(size <= max(1, left / 8 / TAIL * 1.5) for left, size in seen[-20:]), seen[-20:]
+    assert seen[-1][1] == 1
+
+
+def test_a_worker_alone_keeps_its_size_to_the_end() -> None:
+    s = Sizer(None)
+    t, pos = claims(s, 10_000, 0, 40e-6, 20_000)
+    assert pos >= 20_000 - s.size  # drained by rounds of the full size
+    assert s.size == AUTO_MAX
+
+
+def count_rounds(wq: WorkQueue) -> list[str]:
+    rounds: list[str] = []
+    sa.event.listen(wq.engine, "checkout", lambda *a: rounds.append(threading.current_thread().name))
+    return rounds
+
+
+def test_a_fast_consumer_takes_many_items_per_round(db_url: str) -> None:
+    with WorkQueue([f"w{i}" for i in range(3000)], url=db_url, claim_ahead=False) as wq:
+        assert wq.lease_ahead == 1
+        rounds = count_rounds(wq)
+        for _ in range(3000):
+            wq.take()
+        assert wq.lease_ahead > 8
+        assert len(rounds) < 3000 / 8, len(rounds)
+
+
+def test_a_slow_consumer_keeps_one_item_per_round(db_url: str) -> None:
+    with WorkQueue([f"w{i}" for i in range(6)], url=db_url) as wq:
+        for _ in range(6):
+            wq.take()
+            time.sleep(0.12)  # a step longer than AHEAD_SECONDS
+            assert wq.lease_ahead == 1
