@@ -125,3 +125,13 @@ def test_a_slow_consumer_keeps_one_item_per_round(db_url: str) -> None:
             wq.take()
             time.sleep(0.12)  # a step longer than AHEAD_SECONDS
             assert wq.lease_ahead == 1
+
+
+def test_claiming_ahead_only_where_it_can_save_a_wait() -> None:
+    fixed = Sizer(32)
+    assert fixed.ahead_helps()  # nothing measured yet
+    fixed.claimed(0.001, 0.0, 0, 31, 32, 10**6)  # a round trip of 1 ms
+    feed(fixed, 5e-6, 20, n=32)  # 32 items used in 0.16 ms: the consumer would wait anyway
+    assert not fixed.ahead_helps()
+    feed(fixed, 0.001, 20, n=32)  # 32 ms of work per round: a background round hides the trip
+    assert fixed.ahead_helps()

@@ -112,7 +112,8 @@ class Dispenser:
                     self.sizer.handed_out(now, len(got))
                     # Claim ahead only once the buffer is empty: a round then claims up to
                     # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
-                    r = self.refills() if self.rules.claim_ahead and not book.buffer else None
+                    r = (self.refills() if self.rules.claim_ahead and not book.buffer
+                         and self.sizer.ahead_helps() else None)
                     if r is not None:
                         r.schedule(self.pace)
                     return got

@@ -101,7 +101,7 @@ class Sizer:
 
     def called(self, now: float) -> None:
         """A hand-out was asked for at ``now``: what the consumer spent on the last one."""
-        if self.fixed is not None or self._returned is None or not self._handed:
+        if self._returned is None or not self._handed:
             return
         self.per_item = _smooth(self.per_item, (now - self._returned) / self._handed)
         self._returned = None
@@ -114,10 +114,8 @@ class Sizer:
     def claimed(self, seconds: float, now: float, first: int, last: int, n: int, total: int) -> None:
         """A claim round took ``seconds`` and claimed ``n`` items, at positions ``first`` to
         ``last`` in claim order (``epoch * items_per_epoch + seq``) of ``total``."""
-        if self.fixed is not None:
-            return
         self.round_trip = _smooth(self.round_trip, seconds)
-        if not n:
+        if not n or self.fixed is not None:
             return
         self.left = max(0, total - 1 - last)
         prev, self._last = self._last, (now, first, n)
@@ -127,7 +125,17 @@ class Sizer:
         self.pool_rate = _smooth(self.pool_rate, rate)
         self.share = _smooth(self.share, share)
 
+    def ahead_helps(self) -> bool:
+        """Whether claiming the next round in the background can save the consumer a wait: the
+        consumer spends at least a round trip on a round's items. Otherwise (a consumer that
+        does next to nothing per item) it would wait for the background round anyway, plus a
+        hand-off between threads, so ``take()`` had better claim itself."""
+        per, rt = self.per_item, self.round_trip
+        return per is None or rt is None or per * self.size >= rt
+
     def _resize(self) -> None:
+        if self.fixed is not None:
+            return
         per = self.per_item
         if per is None:
             return
