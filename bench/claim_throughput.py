@@ -21,6 +21,8 @@ three alike):
 * ``wq_unqueued`` (SQLite, opt-in) ``wq_sql`` without the writers' queue (``WQ_SQL_SQLITE_FAIR=0``:
                SQLite's busy handler alone): ``wq_sql / wq_unqueued`` is what the queue's first-come,
                first-served hand-off costs (or gains) in throughput.
+* ``wq_noahead`` (opt-in) ``wq_sql`` with ``claim_ahead=False`` (the default is True): what the
+               background claim costs or gains a consumer that does nothing with its items.
 
 Reported: items/s (sum over processes), ratio to ``raw``, p50/p99 latency of a round trip (a
 ``take()`` that went to the database; for raw, one round). Medians over repeats.
@@ -247,6 +249,8 @@ def _child(variant: str, url: str, n: int, name: str, ready: Any, go: Any, secon
             if variant == "wq_unqueued":
                 os.environ[FAIR_ENV] = "0"  # read when the WorkQueue opens its database
                 return _run_wq(url, n, name, ready, go, seconds, False, **kw)
+            if variant == "wq_noahead":
+                return _run_wq(url, n, name, ready, go, seconds, False, claim_ahead=False, **kw)
             if variant in ("wq_sql", "wq_startup"):
                 return _run_wq(url, n, name, ready, go, seconds, variant == "wq_startup", **kw)
             return _run_raw(url, variant, n, name, ready, go, seconds)
