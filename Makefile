@@ -103,4 +103,4 @@ bench-cluster: $(VENV)/.pkg  ## 100, 500 and 2,000 workers through PgBouncer, an
 	$(BIN)/python bench/cluster_scale.py scale && $(BIN)/python bench/cluster_scale.py tail
 
 clean:  ## remove the venv, local databases and the demo's timeline
-	rm -rf $(VENV) *.db *.db-wal *.db-shm long_tail_demo.html
+	rm -rf $(VENV) *.db *.db-wal *.db-shm *.db-wqturns long_tail_demo.html
