@@ -8,15 +8,13 @@ against the old ranks' last checkpoints."""
 from __future__ import annotations
 
 import datetime as dt
-import os
-import signal
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from torch_support import HERE, finish, free_port, read_log, sql, start_rank, write_files
+from torch_support import HERE, finish, free_port, kill_ranks_when, read_log, sql, start_rank, write_files
 
 from wq_sql import InvalidInput, WorkQueue
 
@@ -39,16 +37,8 @@ def test_restarted_job_with_another_world_size_gets_the_old_items_at_once(db_url
            "options": {"heartbeat_seconds": 60, "lease_seconds": 300}}
     port = free_port()
     ranks = [start_rank(job, r, 2, port, read_seconds=0.05, restart=0) for r in (0, 1)]
-    deadline = time.monotonic() + 120
-    while min(len(read_log(Path(f"{log}.rank{r}"))) for r in (0, 1)) < 5:
-        assert time.monotonic() < deadline, "the ranks did not get going"
-        assert all(p.poll() is None for p in ranks), "a rank ended early"
-        time.sleep(0.05)
-    for p in ranks:
-        os.killpg(p.pid, signal.SIGKILL)
-    for p in ranks:
-        p.wait()
-    time.sleep(0.1)
+    kill_ranks_when(ranks, lambda: min(len(read_log(Path(f"{log}.rank{r}"))) for r in (0, 1)) >= 5,
+                    "going")
     held = sql(db_url, "SELECT item_id, worker FROM wq_audit WHERE queue = 'rerun' AND state = 'claimed'")
     assert {w.split("/")[1] for _, w in held} == {"rank0", "rank1"}, held
     before = [read_log(Path(f"{log}.rank{r}")) for r in (0, 1)]
@@ -118,17 +108,8 @@ def test_checkpoint_mode_job_restarted_with_one_rank_less_trains_each_record_onc
            "options": {"heartbeat_seconds": 60, "lease_seconds": 300, "max_attempts": 100}}
     port = free_port()
     ranks = [start_rank(job, r, 2, port, restart=0, script=TRAINER) for r in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not all(any("holding" in e for e in read_log(Path(f"{log}.rank{r}"))) for r in (0, 1)):
-        assert time.monotonic() < deadline, "the ranks did not reach step 12"
-        for p in ranks:
-            assert p.poll() is None, p.communicate()[1][-3000:]
-        time.sleep(0.05)
-    for p in ranks:
-        os.killpg(p.pid, signal.SIGKILL)
-    for p in ranks:
-        p.wait()
-    time.sleep(0.1)
+    kill_ranks_when(ranks, lambda: all(any("holding" in e for e in read_log(Path(f"{log}.rank{r}")))
+                                       for r in (0, 1)), "to step 12")
     covered = {Path(w).name for (w,) in sql(db_url, "SELECT work FROM wq_audit WHERE queue = 'resize' "
                                                      "AND state = 'done'")}
     held_by_rank1 = [i for i, w in sql(db_url, "SELECT item_id, worker FROM wq_audit WHERE queue = 'resize' "

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,23 @@ def finish(p: subprocess.Popen[str], timeout: float = 240) -> dict[str, Any]:
         raise AssertionError(f"rank timed out:\n{out}\n{err[-5000:]}") from None
     assert p.returncode == 0, f"rank failed ({p.returncode}):\n{out}\n{err[-5000:]}"
     return json.loads(out.strip().splitlines()[-1])
+
+
+def kill_ranks_when(ranks: list[subprocess.Popen[str]], ready: Callable[[], bool], what: str,
+                    timeout: float = 120) -> None:
+    """Once ``ready()`` (polled; no rank may end before), SIGKILL every rank's process group and
+    reap it. ``what`` names the state waited for, in the failure message."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"the ranks did not get {what}"
+        for p in ranks:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    for p in ranks:
+        os.killpg(p.pid, signal.SIGKILL)
+    for p in ranks:
+        p.wait()
+    time.sleep(0.1)
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
