@@ -63,13 +63,14 @@ class Endings:
                 d.book.out.pop(i.item_id, None)
             return d.book.settle(held, accepted, d.rules.name)
 
-    def reopen_after(self, step: Optional[int]) -> int:
-        """Put back every item a checkpoint of this identity later than ``step`` had covered."""
+    def reopen_after(self, step: Optional[int], run: Optional[tuple[str, int]]) -> int:
+        """Put back every item a checkpoint of this identity (and of the earlier restarts of its
+        job ``run``) later than ``step`` had covered."""
         db, d = self.db, self.d
         with d.lock:
             d.check_usable()
             wid = d.member.worker_id
-            n: int = db.tx(lambda c: ops.reopen_after(c, db.dialect, self.qid, wid, step))
+            n: int = db.tx(lambda c: ops.reopen_after(c, db.dialect, self.qid, wid, step, run))
         if n:
             log.warning("worker %r restored from checkpoint step %s: %d item(s) covered by later "
                         "checkpoints went back to queue %r", d.rules.worker, step, n, d.rules.name)

@@ -684,12 +684,23 @@ def adopt(conn: Connection, b: Dialect, worker_id: int, holder: int, pairs: Sequ
     return {r.id for r in rows}
 
 
-def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: Optional[int]) -> int:
+def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: Optional[int],
+                 run: Optional[tuple[str, int]] = None) -> int:
     """The worker restored its model from the checkpoint at ``step`` (``None``: from none): put
     every item a later checkpoint of this worker had covered back to ``pending`` (``requeue``
-    events saying why, counters corrected), and record the restore. Returns how many."""
-    cond = [items.c.queue_id == qid, items.c.worker_id == worker_id, items.c.state == DONE,
-            items.c.ckpt_step.is_not(None)]
+    events saying why, counters corrected), and record the restore. Returns how many.
+
+    ``run``: the worker's job run (id, restart). The restored model is the job's, so the later
+    checkpoints of the workers of the run's earlier restarts are forgotten too: a rank that did
+    not come back (the job restarted with fewer ranks) never restores, and what its checkpoints
+    after ``step`` covered would stay done, trained by no model. A rank that does come back and
+    restores a later step than this one trains those items again (never lost)."""
+    holders = items.c.worker_id == worker_id
+    if run is not None:
+        earlier = select(workers.c.id).where(workers.c.queue_id == qid, workers.c.run_id == run[0],
+                                             workers.c.run_restart < run[1])
+        holders = or_(holders, items.c.worker_id.in_(earlier.scalar_subquery()))
+    cond = [items.c.queue_id == qid, holders, items.c.state == DONE, items.c.ckpt_step.is_not(None)]
     if step is not None:
         cond.append(items.c.ckpt_step > step)
     locked = select(items.c.id).where(*cond).with_for_update().cte("r").prefix_with("MATERIALIZED")

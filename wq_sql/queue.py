@@ -391,10 +391,11 @@ class WorkQueue:
     def reopen_after(self, step: Optional[int]) -> int:
         """This worker's model was restored from its checkpoint at global ``step`` (``None``: from
         no checkpoint): put back to the queue every item that a later checkpoint of this worker
-        identity had covered (:meth:`cover`). Items it still held come back through same-identity
-        recovery. Returns how many items were re-opened."""
+        identity had covered (:meth:`cover`), and, with ``run=``, of the workers of the run's
+        earlier restarts (ranks that may not come back to restore: ``ops.reopen_after``). Items it
+        still held come back through same-identity recovery. Returns how many items were re-opened."""
         self._ensure_process()
-        return self._endings.reopen_after(None if step is None else int(step))
+        return self._endings.reopen_after(None if step is None else int(step), self._opts.run)
 
     # ------------------------------------------------------------------ items another process consumes
 

@@ -132,6 +132,47 @@ def test_restoring_an_older_checkpoint_reopens_what_it_does_not_cover(db_url: st
     assert [tuple(r) for r in rows] == [("done", 30)]
 
 
+def test_restoring_an_older_checkpoint_after_a_shrink_reopens_what_departed_ranks_covered(
+        db_url: str, tmp_path: Path) -> None:
+    """A job of 2 ranks (run ``job``, restart 0) saves at steps 2 and 4; it restarts with 1 rank
+    (restart 1) from rank 0's older checkpoint (step 2). The model forgot every step after 2, on
+    both ranks: what rank 1's step-4 checkpoint covered goes back to the queue too, although
+    rank 1 never comes back to restore, and the new rank trains it."""
+    files, lines = write_files(tmp_path / "data", 24, LINES)
+    states: dict[int, dict[str, Any]] = {}
+    model_saw: Counter[str] = Counter()  # what the model restored at step 2 saw
+    old = []
+    for rank in (0, 1):
+        ds = QueueDataset(files, url=db_url, read=read_lines, name="shrink", worker=f"job/rank{rank}",
+                          consumed="checkpoint", run=("job", 0), lease_ahead=1)
+        loader = DataLoader(ds, batch_size=LINES)  # one file per batch, read in the main process
+        batches = iter(loader)
+        for _ in range(2):
+            model_saw.update(next(batches))
+        states[rank] = loader.state_dict()
+        for _ in range(2):
+            next(batches)  # trained, then forgotten: the job goes back to step 2
+        loader.state_dict()
+        loader.checkpoint_saved()
+        old.append((ds, batches))
+    assert sorted(done_files(db_url, "shrink").values()) == [2, 2, 2, 2, 4, 4, 4, 4]
+    for ds, batches in old:
+        del batches
+        ds.close()  # the incarnation is gone (a kill would leave the same rows: covered items are done)
+    ds = QueueDataset(None, url=db_url, read=read_lines, name="shrink", worker="job/rank0",
+                      consumed="checkpoint", run=("job", 1))
+    again = DataLoader(ds, batch_size=LINES)
+    again.load_state_dict(states[0])
+    assert sorted(done_files(db_url, "shrink").values()) == [2, 2, 2, 2], "rank 1's step-4 items stayed done"
+    for batch in again:
+        model_saw.update(batch)
+    again.state_dict()
+    again.checkpoint_saved()
+    assert model_saw == Counter(lines), "a record lost for the model restored at step 2, or trained twice"
+    rows = sql(db_url, "SELECT state, count(*) FROM wq_audit WHERE queue = 'shrink' GROUP BY state")
+    assert [tuple(r) for r in rows] == [("done", 24)]
+
+
 def test_resume_state_and_bad_states(db_url: str, tmp_path: Path) -> None:
     """A state taken after a pass resumes at the next epoch; a foreign state is refused."""
     files, lines = write_files(tmp_path / "data", 6, 2)
