@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
@@ -147,7 +147,7 @@ def throughput(a: argparse.Namespace) -> None:
               f"{'ratio':>6}  {'ratio of best runs':>18}  {'records/s wq_sql':>16}  "
               "CPU ms main+workers, static / wq_sql")
         for la, consumed, ms, mq, bs, bq, cs, cq in rows:
-            print(f"{la:>11}  {consumed:>10}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  "
+            print(f"{la or 'auto':>11}  {consumed:>10}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  "
                   f"{bs / bq:>17.2f}x  {records * a.epochs / mq:>16,.0f}  "
                   f"{cs[0]:.0f}+{cs[1]:.0f} / {cq[0]:.0f}+{cq[1]:.0f}")
         if a.persistent:
@@ -229,7 +229,7 @@ def long_tail(a: argparse.Namespace) -> None:
     print(f"== long tail: {a.ranks} ranks, rank {a.ranks - 1} {a.slow:g}x slower ({a.seconds * 1000:.0f} ms per "
           f"batch of one file, {a.seconds * a.slow * 1000:.0f} ms on the slow rank), {a.files} files x "
           f"{a.epochs} epochs, DataLoader(num_workers={a.workers}, prefetch_factor={a.prefetch}, persistent), "
-          f"lease_ahead={a.lease_ahead}, backend {a.backend}, {a.runs} run(s)")
+          f"lease_ahead={a.lease_ahead or 'auto'}, backend {a.backend}, {a.runs} run(s)")
     print(f"{'run':>3}  {'DistributedSampler':>18}  {'wq_sql':>8}  {'ideal':>6}  {'wq_sql/ideal':>12}  "
           f"{'static/ideal':>12}  {'first batch':>11}  {'ideal (steps as run)':>20}  {'wq_sql/that':>11}  "
           "files per rank (wq_sql)")
@@ -272,6 +272,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def lease_ahead(text: str) -> Optional[int]:
+    """``--lease-ahead``: ``auto`` (None: the core sizes the rounds) or a number."""
+    return None if text == "auto" else int(text)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["rank"]:
         return rank_main(json.loads(sys.argv[2]))
@@ -288,7 +293,8 @@ def main() -> None:
     tp = sub.choices["throughput"]
     tp.add_argument("--files", type=int, default=1000)
     tp.add_argument("--batch", type=int, default=256)
-    tp.add_argument("--lease-ahead", type=int, nargs="+", default=[64])
+    tp.add_argument("--lease-ahead", type=lease_ahead, nargs="+", default=[None],
+                    help="items per claim round, or auto (the default: the core's automatic size)")
     tp.add_argument("--persistent", action="store_true")
     tp.add_argument("--consumed", choices=["trained", "checkpoint"], nargs="+", default=["trained"],
                     help="both: each run measures them in turn (checkpoint mode's cost, same run)")
@@ -299,7 +305,7 @@ def main() -> None:
     lt.add_argument("--slow", type=float, default=4.0)
     lt.add_argument("--seconds", type=float, default=0.01, help="per batch (one file) on a fast rank")
     lt.add_argument("--prefetch", type=int, default=1)
-    lt.add_argument("--lease-ahead", type=int, default=1)
+    lt.add_argument("--lease-ahead", type=lease_ahead, default=None, help="a number, or auto (the default)")
     a = ap.parse_args()
     info = machine()
     print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['load1']}, python {info['python']}, "

@@ -44,8 +44,8 @@ class QueuePasses:
 
     def __init__(self, works: Optional[Sequence[Work]], num_epochs: int, shuffle: bool, seed: Optional[int],
                  prefix: Optional[str], num_slices: Optional[int], name: str, *, url: Any,
-                 worker: Optional[str], epochs: str, consumed: str, lease_ahead: int, schema: Optional[str],
-                 options: dict[str, Any]) -> None:
+                 worker: Optional[str], epochs: str, consumed: str, lease_ahead: Optional[int],
+                 schema: Optional[str], options: dict[str, Any]) -> None:
         if "engine" in options:
             raise InvalidInput("wq_sql.torch opens the queue in every DataLoader worker process, which "
                                "cannot share an engine: pass url= (and schema=)")
@@ -209,7 +209,9 @@ class QueueDataset(QueuePasses, IterableDataset):
     - ``worker``: this rank's identity; default from ``$WQ_SQL_WORKER``,
       ``$TORCHELASTIC_RUN_ID`` and ``$RANK`` (see :func:`wq_sql.torch.rank_name`). DataLoader
       worker ``k`` is ``<worker>/loader<k>``, so a restarted rank gets its items back first.
-    - ``lease_ahead=8``: items a loader claims per round trip.
+    - ``lease_ahead``: items a loader claims per round trip; by default (``None``) the core sizes
+      it from the loader's own time per item, smaller near the end while other workers share
+      the queue (:class:`wq_sql.pacer.Sizer`, as for the TF shim); a number fixes it.
 
     A pass ends for a DataLoader worker as soon as nothing of it is claimable: it never waits for
     items other workers hold (they may be blocked in a collective that waits for this rank).
@@ -221,7 +223,7 @@ class QueueDataset(QueuePasses, IterableDataset):
                  seed: Optional[int] = None, prefix: Optional[str] = None, num_slices: Optional[int] = None,
                  name: str = "work_queue", *, url: Any = None, read: Union[None, str, Reader] = None,
                  read_options: Optional[dict[str, Any]] = None, epochs: str = "each",
-                 consumed: str = "trained", worker: Optional[str] = None, lease_ahead: int = 8,
+                 consumed: str = "trained", worker: Optional[str] = None, lease_ahead: Optional[int] = None,
                  schema: Optional[str] = None, **options: Any) -> None:
         if read is not None and read != "source" and not callable(read):
             raise InvalidInput(f"read must be None, 'source' or a function item -> records, got {read!r}")

@@ -65,7 +65,7 @@ class QueueConfig:
     name: str
     url: str
     schema: Optional[str] = None
-    lease_ahead: int = 8
+    lease_ahead: Optional[int] = None  # None: sized by the core (pacer.Sizer)
     options: dict[str, Any] = field(default_factory=dict)  # lease_seconds=, heartbeat_seconds=, ...
 
     def open(self, worker: str, *, auto_complete: bool = False) -> WorkQueue:
@@ -132,7 +132,6 @@ class Loader:
         # consumed="taken": DeepRec's rule, an item is done when the next one is taken; one item
         # per take then, and a later epoch's item goes straight back to the queue.
         self.complete_read = complete_read
-        self._chunk = 1 if complete_read else max(1, self.queue.lease_ahead // 2)
         self.pid = os.getpid()
         self.epoch_limit: Optional[int] = None
         self.ended = True  # the pass ran out of items (False while it runs, and if abandoned)
@@ -209,11 +208,21 @@ class Loader:
                 self._last_seq[item.epoch] = max(item.seq, self._last_seq.get(item.epoch, -1))
             self._ready.extend(got)
 
+    @property
+    def _chunk(self) -> int:
+        """Items per take: half a round (the size in force, which the core may resize), so that the
+        refill thread claims the other half while these are read; one with consumed='taken'."""
+        return 1 if self.complete_read else max(1, (self.queue.lease_ahead + 1) // 2)
+
     def _last_take(self) -> list[WorkItem]:
         """Nothing was claimable: stop the refill thread, then take what a refill in flight
-        claimed meanwhile (issue 13: never leave an item in a buffer nobody looks at)."""
+        claimed meanwhile (issue 13: never leave an item in a buffer nobody looks at). Only from
+        the buffer: another claim round (with the end-of-queue reads and the expiry sweep that
+        follow an empty one) would cost each worker a few milliseconds at each pass end."""
         q = self.queue
         q.stop_refills()
+        if not q.buffered:
+            return []
         try:
             return q.take_many(self._chunk, timeout=0, claim=1)
         except (QueueEmpty, QueueExhausted):

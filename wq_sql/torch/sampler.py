@@ -42,8 +42,8 @@ class QueueSampler(QueuePasses, Sampler[int]):
     def __init__(self, num_samples: Optional[int] = None, *, num_slices: Optional[int] = None,
                  num_epochs: int = 1, shuffle: bool = True, seed: Optional[int] = None,
                  name: str = "work_queue", url: Any = None, epochs: str = "each", consumed: str = "trained",
-                 worker: Optional[str] = None, lease_ahead: int = 4, schema: Optional[str] = None,
-                 **options: Any) -> None:
+                 worker: Optional[str] = None, lease_ahead: Optional[int] = None,
+                 schema: Optional[str] = None, **options: Any) -> None:
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
                                         or num_samples < 1):
             raise InvalidInput(f"num_samples must be a positive int (len(dataset)), got {num_samples!r}")
