@@ -232,7 +232,7 @@ def long_tail(a: argparse.Namespace) -> None:
           f"lease_ahead={a.lease_ahead or 'auto'}, backend {a.backend}, {a.runs} run(s)")
     print(f"{'run':>3}  {'DistributedSampler':>18}  {'wq_sql':>8}  {'ideal':>6}  {'wq_sql/ideal':>12}  "
           f"{'static/ideal':>12}  {'first batch':>11}  {'ideal (steps as run)':>20}  {'wq_sql/that':>11}  "
-          "files per rank (wq_sql)")
+          "files per rank (wq_sql)  ms per batch outside the step, static/wq_sql (fast ranks' median)")
     with scratch(a.backend, a.pg, "torchlt") as url:
         for run in range(a.runs):
             queue = f"lt_{uuid.uuid4().hex[:8]}"
@@ -258,10 +258,14 @@ def long_tail(a: argparse.Namespace) -> None:
             # The same ideal with each rank's steps as long as they really were in the wq_sql run
             # (a loaded machine wakes a sleep late): what is left above it is the loader's.
             as_run = len(files) * a.epochs / sum(r["queue"][2] / r["queue"][4] for r in results)
+            # Each rank's time outside its steps per batch (the loader's next(), the wake-up of
+            # the step's sleep on a loaded machine): what the per-batch costs add to every rank.
+            outside = {k: statistics.median((r[k][1] - r[k][0] - r[k][4]) / r[k][2] * 1000 for r in results[:-1])
+                       for k in ("static", "queue")}
             print(f"{run:>3}  {span['static']:>16.2f} s  {span['queue']:>6.2f} s  {ideal:>4.2f} s  "
                   f"{span['queue'] / ideal:>11.2f}x  {span['static'] / ideal:>11.2f}x  "
                   f"{first['static']:.2f}/{first['queue']:.2f} s  {as_run:>18.2f} s  "
-                  f"{span['queue'] / as_run:>10.2f}x  {counts}")
+                  f"{span['queue'] / as_run:>10.2f}x  {counts}  {outside['static']:.2f}/{outside['queue']:.2f}")
 
 
 def _free_port() -> int:
