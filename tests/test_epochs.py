@@ -4,15 +4,20 @@ backends. Every (epoch, seq) exists once, in the epoch's seeded order, and is do
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import threading
-from typing import Any
+import time
+from typing import Any, Callable, Optional
 
+import pytest
 import sqlalchemy as sa
+from sqlalchemy import Connection
 from sqlalchemy.pool import NullPool
 
-from wq_sql import QueueExhausted, WorkQueue, ops
+from wq_sql import QueueExhausted, WorkQueue, epochs, ops
 from wq_sql.engine import resolve_url
-from wq_sql.plan import epoch_order
+from wq_sql.plan import FILL_SLICE, SHUFFLE_SLICE, epoch_order
 
 
 def query(url: str, sql: str) -> list[Any]:
@@ -104,3 +109,74 @@ def test_close_stops_the_background_maker_between_chunks(db_url: str) -> None:
     assert len(got) == 2 * len(works) - 1
     assert sorted(r.epoch for r in query(db_url, "SELECT DISTINCT epoch FROM wq_items")) == [0, 1]
     assert query(db_url, "SELECT count(*) FROM wq_items WHERE epoch = 1")[0][0] == len(works)
+
+
+def test_seeded_order_is_pinned() -> None:
+    """An epoch's order is a promise across versions and machines (a restarted job, or workers
+    of two releases, must agree on it): these are the orders of the first release."""
+    assert list(epoch_order(12, 1, True, 2024)) == [4, 10, 8, 11, 3, 6, 5, 0, 7, 2, 1, 9]
+    text = ",".join(map(str, epoch_order(40_000, 2, True, 7))).encode()
+    digest = "3057f480eb0c79a2b8e12a1e40551a17d0f9a78b3308c687b6d91837dcaf241a"
+    assert hashlib.sha256(text).hexdigest() == digest
+
+
+@pytest.mark.parametrize("n", [1, 2, SHUFFLE_SLICE, SHUFFLE_SLICE + 1, FILL_SLICE + 1, 2 * FILL_SLICE + 7])
+def test_breathing_order_is_the_same(n: int) -> None:
+    """The background maker's shuffle, computed in slices with a call between them (it hands the
+    GIL to the worker's other threads), is the same permutation, and breathes between slices."""
+    for shuffle in (True, False):
+        calls: list[None] = []
+        got = epoch_order(n, 3, shuffle, 11, breathe=functools.partial(calls.append, None))
+        assert got == epoch_order(n, 3, shuffle, 11)
+        slices = -(-n // FILL_SLICE) + (-(-(n - 1) // SHUFFLE_SLICE) if shuffle else 0)
+        assert len(calls) >= slices - 1
+
+
+def test_background_shuffle_waits_for_its_process_write_transactions(db_url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two slices, the background maker's shuffle waits while a write transaction of its
+    own process is open: that transaction needs the GIL after each statement, and on SQLite every
+    writer of the machine waits behind it (bench/scale.py rollover)."""
+    monkeypatch.setattr(epochs, "SHUFFLE_WAIT", 60.0)
+    started, go = threading.Event(), threading.Event()
+    breaths: list[str] = []
+    real = epochs.epoch_order
+
+    def spy(*args: Any, breathe: Optional[Callable[[], object]] = None, **kwargs: Any) -> Any:
+        if breathe is None:
+            return real(*args, **kwargs)
+        started.set()
+        assert go.wait(30)
+
+        def counted() -> None:
+            breaths.append("in")
+            breathe()
+            breaths.append("out")
+        return real(*args, breathe=counted, **kwargs)
+
+    monkeypatch.setattr(epochs, "epoch_order", spy)
+    works = [f"w{i:04d}" for i in range(3 * SHUFFLE_SLICE)]
+    got: list[Any] = []
+    with WorkQueue(works, num_epochs=2, seed=4, name="q", url=db_url, worker="a", claim_ahead=False) as wq:
+        got.append(wq.take())  # the first item of the newest epoch: the next one is made in the background
+        assert started.wait(30)
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(c: Connection) -> None:
+            inside.set()
+            assert release.wait(30)
+
+        holder = threading.Thread(target=wq._db.tx, args=(hold,))
+        holder.start()
+        try:
+            assert inside.wait(30)
+            go.set()
+            time.sleep(0.3)  # ample for 3,000 swaps (~1 ms): the shuffle waits in its first breath
+            assert breaths == ["in"]
+        finally:
+            release.set()
+            holder.join(30)
+        drain(wq, got)
+    assert "out" in breaths
+    assert sorted(got) == sorted(works * 2)
+    check_epochs(db_url, len(works), 2, seed=4)

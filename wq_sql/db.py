@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
@@ -67,6 +67,7 @@ class Db:
         self._gate = _TxGate()
         # SQLite: this host's write transactions take the write lock in the order they asked.
         self._writers = self.dialect.writer_queue(url)
+        self._writing = _Writing()
         self._pid = os.getpid()
         self.closed = False
         _open_dbs.add(self)
@@ -118,8 +119,16 @@ class Db:
     def _write_turn(self) -> AbstractContextManager[None]:
         """Around one write transaction (one attempt: a retry asks again): SQLite's writers'
         queue, taken after the connection is checked out and before ``BEGIN IMMEDIATE``, left
-        after its end (``Dialect.writer_queue``); nothing elsewhere."""
-        return self._writers.turn() if self._writers is not None else nullcontext()
+        after its end (``Dialect.writer_queue``); nothing elsewhere. Counted while held
+        (:meth:`wait_writes`)."""
+        return _Held(self._writers.turn() if self._writers is not None else None, self._writing)
+
+    def wait_writes(self, timeout: float) -> bool:
+        """Wait until no thread of this handle is in a write transaction, at most ``timeout``
+        seconds; False if one still is. For a background thread's CPU-bound work (the epoch
+        maker's shuffle): a transaction waits for the GIL after each of its statements, and on
+        SQLite every other writer of the machine waits behind it (the writers' queue)."""
+        return self._writing.wait_idle(timeout)
 
     def retrying(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying what is transient (see the module docstring)."""
@@ -232,6 +241,47 @@ class Db:
         self.engine.dispose(close=own and os.getpid() == self._pid)
 
 
+class _Writing:
+    """How many of a handle's threads are in a write transaction, and a wait for none."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._n = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self._n += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._n -= 1
+            if not self._n:
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._n, timeout)
+
+
+class _Held:
+    """A write transaction's turn (SQLite's writers' queue, or none), counted in ``writing``
+    while held."""
+
+    __slots__ = ("_turn", "_writing")
+
+    def __init__(self, turn: Optional[AbstractContextManager[None]], writing: _Writing) -> None:
+        self._turn, self._writing = turn, writing
+
+    def __enter__(self) -> None:
+        if self._turn is not None:
+            self._turn.__enter__()
+        self._writing.enter()
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        self._writing.leave()
+        return self._turn.__exit__(*exc) if self._turn is not None else None
+
+
 class _Skipped(Exception):
     """An :meth:`Db.expire_tx` attempt that must not run now."""
 
@@ -291,10 +341,12 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     """A gate that the parent shut, or that another thread of the parent was inside at ``fork()``,
-    would stay shut or busy forever in the child: give every handle a fresh one."""
+    would stay shut or busy forever in the child: give every handle a fresh one (and a fresh
+    count of write transactions)."""
     _forking.clear()
     for db in list(_open_dbs):
         db._gate = _TxGate()
+        db._writing = _Writing()  # the parent's transactions are not here
 
 
 if hasattr(os, "register_at_fork"):  # POSIX

@@ -23,6 +23,12 @@ log = logging.getLogger("wq_sql")
 # The background maker pauses this many times its chunk's time (at least MAKER_PAUSE_MIN
 # seconds) after each chunk: it holds SQLite's write lock at most a tenth of the time.
 MAKER_PAUSE, MAKER_PAUSE_MIN = 9.0, 0.01
+# Between two slices of its shuffle (plan.epoch_order's breathe), the background maker waits up
+# to SHUFFLE_WAIT seconds while a write transaction of its process is in flight, then sleeps
+# SHUFFLE_BREATHE seconds: the worker's other threads get the GIL within a slice (~0.3 ms), not
+# 5 ms, and no transaction of its process holds SQLite's writers' queue while it waits for the
+# GIL (bench/scale.py rollover).
+SHUFFLE_WAIT, SHUFFLE_BREATHE = 0.05, 50e-6
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,11 @@ class EpochMaker:
                         return made_rows  # another worker is making it
                     self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
                     continue
-                order: Sequence[int] = epoch_order(o.items_per_epoch, have, o.shuffle, o.seed)
+                try:
+                    order: Sequence[int] = epoch_order(o.items_per_epoch, have, o.shuffle, o.seed,
+                                                       breathe=self._breathe if background else None)
+                except _Leaving:
+                    return made_rows
                 self._making = (have, order)
             else:
                 order = making[1]
@@ -151,6 +161,18 @@ class EpochMaker:
                 return True
             self._leaving.wait(max(MAKER_PAUSE_MIN, MAKER_PAUSE * (time.monotonic() - t)))
         return made_rows
+
+
+    def _breathe(self) -> None:
+        """Between two slices of the background shuffle: see ``SHUFFLE_WAIT``."""
+        if self._leaving.is_set():
+            raise _Leaving
+        self.db.wait_writes(SHUFFLE_WAIT)
+        time.sleep(SHUFFLE_BREATHE)
+
+
+class _Leaving(Exception):
+    """The queue is closing: the background shuffle stops."""
 
 
 def _epoch_state(conn: Connection, qid: int, epoch: int) -> tuple[int, int]:
