@@ -618,8 +618,17 @@ def _stall_report(a: argparse.Namespace, res: list[Any], seen: list[tuple[float,
         for s, k in during.most_common(8):
             print(f"  {k:5d}  {s}")
     print(f"all claims: n {len(rec)}, p99 {pct([x[1] for x in rec], 99) * 1e3:.2f} ms, max {worst[1] * 1e3:.1f} ms")
+    # The first worker to stop closes its queue (one write transaction: acks, give-backs, its row)
+    # while the others still claim: the claims that ended before it are the roll-over's alone.
+    left = min((r[-1][0] + r[-1][1] for _, r, _ in res if r), default=float("inf"))
+    while_all = [x for x in rec if x[0] + x[1] <= left]
+    worst_all = max(while_all, key=lambda x: x[1], default=(tb, float("nan"), -1))
+    print(f"claims that ended before the first worker left ({left - tb:+.2f}s): n {len(while_all)}, p99 "
+          f"{pct([x[1] for x in while_all], 99) * 1e3:.2f} ms, max {worst_all[1] * 1e3:.1f} ms "
+          f"(started {worst_all[0] - tb:+.2f}s)")
     return {"ref": ref, "around": around, "worst": worst, "per_worker": per_worker, "sessions": seen,
-            "loads": [load0, load1], "claims": {i: r for i, r, _ in res}}
+            "loads": [load0, load1], "claims": {i: r for i, r, _ in res},
+            "worst_before_leaving": worst_all, "first_left": left - tb}
 
 
 # ---------------------------------------------------------------- worker memory
