@@ -12,10 +12,10 @@ import pytest
 import sqlalchemy as sa
 from conftest import _pg_url, drop_pg_database, new_pg_database
 
-from wq_sql import WorkQueue
+from wq_sql import WorkQueue, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.dialects import Dialect
-from wq_sql.engine import driver_transaction, make_engine, resolve_url
+from wq_sql.engine import driver_statement, driver_transaction, make_engine, resolve_url
 
 WORKS = [f"w{i}" for i in range(7)]
 
@@ -96,3 +96,44 @@ def test_sqlite_and_postgres_rounds_agree(tmp_path: Path, pg_url: str) -> None:
     assert [r[2] for r in lite["items"]] == ["done"] * 6 + ["claimed"]
     assert lite["clocks_agree"] and pg["clocks_agree"]
     assert pg == lite
+
+
+def _gone_back_below(url: str) -> list[list[tuple[int, int]]]:
+    """Two claimers take turns, the second gives an item back below where the first one's
+    claims now start (Postgres' floor, see ``ClaimRound._floor``): the first one's later rounds,
+    run as the hot path runs them (Postgres: one query in autocommit mode), must find it."""
+    with WorkQueue([f"w{i}" for i in range(8)], num_epochs=1, shuffle=False, url=url, worker="w", name="q"):
+        pass
+    engine = make_engine(resolve_url(url))
+    d = Dialect(engine.dialect.name)
+    try:
+        with engine.connect() as c:
+            qid = c.execute(sa.text("SELECT id FROM wq_queues WHERE name = 'q'")).scalar_one()
+            wid = c.execute(sa.text("SELECT id FROM wq_workers WHERE queue_id = :q"), {"q": qid}).scalar_one()
+        first, second = ClaimRound(d, 2, lease_seconds=60), ClaimRound(d, 2, lease_seconds=60)
+
+        def run(rnd: ClaimRound, acks: list[Any]) -> list[Any]:
+            keys = [(a.id, a.token) for a in acks]
+            if d.one_query_rounds:
+                with driver_statement(engine) as (conn, prefix):
+                    return rnd.run(conn, qid, wid, keys, None, prefix)[1]
+            with driver_transaction(engine) as conn:
+                return rnd.run(conn, qid, wid, keys)[1]
+
+        a = run(first, [])
+        b = run(second, [])
+        c = run(first, a)
+        e = run(first, c)
+        with engine.begin() as conn:  # the second claimer gives its first item back
+            assert ops.release(conn, d, qid, wid, [(b[0].id, b[0].token)]) == {b[0].id}
+        f = run(first, e)  # nothing at or above where the first one's claims start: below
+        g = run(first, f)
+        return [[(x.epoch, x.seq) for x in got] for got in (a, b, c, e, f, g)]
+    finally:
+        engine.dispose()
+
+
+def test_a_round_finds_an_item_gone_back_below_its_floor(tmp_path: Path, pg_url: str) -> None:
+    want = [[(0, 0), (0, 1)], [(0, 2), (0, 3)], [(0, 4), (0, 5)], [(0, 6), (0, 7)], [(0, 2)], []]
+    assert _gone_back_below(f"sqlite:///{tmp_path / 'wq.db'}") == want
+    assert _gone_back_below(pg_url) == want

@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError
 
 from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect
 from wq_sql.ops import Claimed, new_token
+from wq_sql.pooling import last_rows
 from wq_sql.states import CLAIMED, DONE, EV_DONE, PENDING
 
 
@@ -27,9 +28,10 @@ class ClaimRound:
     rows, counters and the claims' work strings. Built once per queue object as driver-level SQL.
 
     Postgres runs it as ONE statement (data-modifying CTEs; the claim CTE is the one described in
-    the module docstring, starting at a floor: see ``_floor``; rarely a second one, without
-    acks). SQLite runs the same steps as separate statements inside the ``BEGIN IMMEDIATE``
-    transaction: statements are in-process calls there, not network trips."""
+    the module docstring, starting at a floor: see ``_floor``), sent in one simple query with the
+    transaction's timeouts and committed by the server at its end: one round trip
+    (``engine.driver_statement``). SQLite runs the same steps as separate statements inside the
+    ``BEGIN IMMEDIATE`` transaction: statements are in-process calls there, not network trips."""
 
     FULL_SCAN_EVERY = 64  # rounds; see _floor
 
@@ -39,8 +41,10 @@ class ClaimRound:
         # leave dead entries in the pending index until VACUUM, all at its low end (claims go in
         # order), and a scan from the start steps over every one of them: at 90% of a 300k drain,
         # a thousand index pages per claim. So the claim starts at the floor (one index descent),
-        # and looks from the start when that finds too few rows and every FULL_SCAN_EVERY rounds,
-        # which is how items that went back to the queue below the floor are found.
+        # and looks below it (CTE ``below``, in the same statement) when that finds too few rows,
+        # and from the start every FULL_SCAN_EVERY rounds: that is how items that went back to the
+        # queue below the floor are found. ``below`` runs no scan when the floor found enough (a
+        # LIMIT of 0 never starts its input).
         self._floor: Optional[tuple[int, int]] = None
         self._rounds = 0
         p = f'"{schema}".' if schema else ""
@@ -97,11 +101,16 @@ WITH acked AS (
     WHERE queue_id = %(q)s AND state = '{PENDING}' AND (epoch, seq) >= (%(fe)s, %(fs)s)
     ORDER BY epoch, seq LIMIT %(lim)s
     FOR UPDATE SKIP LOCKED
+), below AS MATERIALIZED (
+    SELECT id FROM {p}wq_items
+    WHERE queue_id = %(q)s AND state = '{PENDING}' AND (epoch, seq) < (%(fe)s, %(fs)s)
+    ORDER BY epoch, seq LIMIT greatest(0, %(lim)s - (SELECT count(*) FROM c))
+    FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE {p}wq_items i SET state = '{CLAIMED}', worker_id = %(w)s, token = %(t)s,
         claimed_at = clock_timestamp(), lease_until = clock_timestamp() + %(lease)s * interval '1 second',
         done_at = NULL
-    FROM c WHERE i.id = c.id
+    FROM (SELECT id FROM c UNION ALL SELECT id FROM below) n WHERE i.id = n.id
     RETURNING i.id, i.epoch, i.seq, i.work_idx, i.attempts
 )
 SELECT 'c' AS k, cl.id, cl.epoch, cl.seq, cl.work_idx, cl.attempts, w.work
@@ -111,31 +120,28 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
 """
 
     def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-            limit: Optional[int] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
+            limit: Optional[int] = None, prefix: str = "") -> tuple[set[int], list[Claimed], dict[int, str]]:
         """Claim up to ``limit`` items (default ``n``), in the transaction open on ``conn``, a
-        driver connection (``engine.driver_transaction``). Returns (ids of acks accepted, items
+        driver connection (``engine.driver_transaction``); on Postgres also on a connection in
+        autocommit mode (``engine.driver_statement``), where the round is one simple query and
+        its own transaction, ``prefix`` (the statement that sets that transaction's timeouts,
+        with its ``;``) going first in the same query. Returns (ids of acks accepted, items
         claimed in hand-out order, work by work index)."""
-        return self._run(conn, qid, worker_id, acks, new_token(), self.n if limit is None else limit)
+        return self._run(conn, qid, worker_id, acks, new_token(), self.n if limit is None else limit, prefix)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-                      token: int, n: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
-        params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease,
-                  "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
+                      token: int, n: int, prefix: str) -> tuple[set[int], list[Claimed], dict[int, str]]:
         self._rounds += 1
         floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
         fe, fs = floor or (-1, -1)
         with conn.cursor() as cur:
             # rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked
-            cur.execute(self._sql, {**params, "fe": fe, "fs": fs, "lim": n})
-            rows = cur.fetchall()
-            accepted = {r[1] for r in rows if r[0] == "a"}
-            got = [r for r in rows if r[0] == "c"]
-            if floor is not None and len(got) < n:
-                # Items below the floor may be pending again (released, expired, a claimer that
-                # rolled back): look from the start, in the same transaction, before saying "none".
-                cur.execute(self._sql, {**params, "ack_ids": [], "ack_tokens": [],
-                                        "fe": -1, "fs": -1, "lim": n - len(got)})
-                got += [r for r in cur.fetchall() if r[0] == "c"]
+            cur.execute(prefix + self._sql, {
+                "q": qid, "w": worker_id, "t": token, "lease": self.lease, "fe": fe, "fs": fs, "lim": n,
+                "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]})
+            rows = last_rows(cur)
+        accepted = {r[1] for r in rows if r[0] == "a"}
+        got = [r for r in rows if r[0] == "c"]
         if n:  # a round that only acknowledges (limit 0) says nothing about where claims start
             self._floor = min(((r[2], r[3]) for r in got), default=None)
         claimed = sorted((Claimed(r[1], r[2], r[3], r[4], token, r[5]) for r in got),
@@ -143,7 +149,7 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
         return accepted, claimed, {r[4]: r[6] for r in got}
 
     def _run_sqlite(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-                    token: int, n: int) -> tuple[set[int], list[Claimed], dict[int, str]]:
+                    token: int, n: int, prefix: str = "") -> tuple[set[int], list[Claimed], dict[int, str]]:
         params: tuple[Any, ...]
         # Errors are re-raised as SQLAlchemy's, with the statement, so the caller's retry of
         # "database is locked" applies unchanged.

@@ -28,7 +28,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from wq_sql.dialects import LOST, dialect_of
-from wq_sql.engine import driver_transaction, open_error, safe_url
+from wq_sql.engine import driver_statement, driver_transaction, open_error, safe_url
 from wq_sql.errors import DatabaseBusy, DatabaseUnavailable
 
 log = logging.getLogger("wq_sql")
@@ -114,6 +114,19 @@ class Db:
         def once() -> T:
             with self._gate, driver_transaction(self.engine, self._write_turn()) as conn:
                 return fn(conn)
+        return self.retrying(once)
+
+    def driver_round(self, fn: Callable[[Any, str], T]) -> T:
+        """Run ``fn(conn, prefix)``, one claim round, retried like :meth:`tx`: on Postgres as one
+        simple query that is its own transaction (``engine.driver_statement``: ``fn`` sends
+        ``prefix`` first in its query); on SQLite in a write transaction (:meth:`driver_tx`,
+        ``prefix`` empty)."""
+        if not self.dialect.one_query_rounds:
+            return self.driver_tx(lambda conn: fn(conn, ""))
+
+        def once() -> T:
+            with self._gate, driver_statement(self.engine) as (conn, prefix):
+                return fn(conn, prefix)
         return self.retrying(once)
 
     def _write_turn(self) -> AbstractContextManager[None]:

@@ -165,3 +165,48 @@ def driver_transaction(engine: Engine,
     finally:
         tx.close()
         fairy.close()
+
+
+@contextmanager
+def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
+    """Postgres: a pooled driver connection in the driver's autocommit mode, for ONE simple query
+    that is its own transaction (several statements in one query run in one implicit
+    transaction, committed at its end, rolled back if one fails), and the text to put first in
+    that query: the statement that sets the transaction's timeouts, with its ``;`` (``""`` on an
+    engine that sets them at startup). The claim round's hot path: one round trip where
+    ``driver_transaction`` takes three (``BEGIN``, the statement, ``COMMIT``), and a
+    transaction pooler holds the server connection only for the server's own time. Errors come
+    out as from ``driver_transaction``."""
+    dialect = engine.dialect
+    driver_error = dialect.loaded_dbapi.Error
+    try:
+        fairy = engine.raw_connection()
+    except driver_error as e:
+        gone = dialect.is_disconnect(e, None, None)
+        raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+    conn: Any = fairy.dbapi_connection
+    per_tx = fairy.info.get(pooling.PER_TX)
+    factory = None
+    try:
+        conn.autocommit = True
+        factory = pooling.client_binding(conn)
+        try:
+            yield conn, f"{per_tx}; " if per_tx else ""
+        except driver_error as e:
+            gone = dialect.is_disconnect(e, conn, None)
+            if gone:
+                fairy.invalidate(e)
+            raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+        except DBAPIError as e:
+            if e.connection_invalidated:
+                fairy.invalidate(e)
+            raise
+    finally:
+        if not getattr(conn, "closed", False):
+            try:
+                if factory is not None:
+                    conn.cursor_factory = factory
+                conn.autocommit = False
+            except Exception:  # noqa: BLE001 - a broken connection: the pool discards it
+                pass
+        fairy.close()

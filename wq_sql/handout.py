@@ -241,8 +241,8 @@ class Dispenser:
         items join the buffer. Returns how many."""
         keys = [a.key for a in acks]
         t = time.monotonic()
-        accepted, got, works = self.db.driver_tx(
-            lambda conn: self.round.run(conn, self.qid, self.member.worker_id, keys, limit))
+        accepted, got, works = self.db.driver_round(
+            lambda conn, prefix: self.round.run(conn, self.qid, self.member.worker_id, keys, limit, prefix))
         if got:
             now, per_epoch = time.monotonic(), self.extent.items_per_epoch
             at = [g.epoch * per_epoch + g.seq for g in got]  # positions in claim order

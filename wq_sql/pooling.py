@@ -115,3 +115,32 @@ class DriverTx:
 def driver_connect_args(url_driver: str) -> dict[str, Any]:
     """Connection arguments a driver needs to work through a transaction pooler."""
     return {"prepare_threshold": None} if url_driver == "psycopg" else {}
+
+
+def client_binding(conn: Any) -> Optional[Any]:
+    """Make ``conn``'s cursors send their parameters inside the query text, so that one query may
+    hold several statements (``engine.driver_statement``); returns the cursor factory to put
+    back, or None when there is nothing to change. psycopg2 always does so; psycopg 3 binds on
+    the server by default (the extended protocol: one statement per query), its
+    ``ClientCursor`` in the client."""
+    factory = getattr(conn, "cursor_factory", None)
+    if factory is None or not _psycopg3(conn):
+        return None
+    import psycopg
+
+    conn.cursor_factory = psycopg.ClientCursor
+    return factory
+
+
+def last_rows(cur: Any) -> list[Any]:
+    """The rows of the last statement of a query that held several: psycopg2 keeps only those,
+    psycopg 3 keeps every statement's (``nextset()`` steps to the next)."""
+    rows: list[Any] = cur.fetchall()
+    if _psycopg3(cur):
+        while cur.nextset():
+            rows = cur.fetchall()
+    return rows
+
+
+def _psycopg3(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] == "psycopg"

@@ -224,6 +224,13 @@ class Dialect:
         begins on the first statement). SQLite takes its single write lock up front."""
         return "BEGIN IMMEDIATE" if self.is_sqlite else None
 
+    @property
+    def one_query_rounds(self) -> bool:
+        """Whether a claim round goes as one simple query that is its own transaction
+        (``engine.driver_statement``): Postgres, where each statement is a network round trip;
+        SQLite's statements are in-process calls, run inside ``BEGIN IMMEDIATE``."""
+        return not self.is_sqlite
+
     def transient(self, e: DBAPIError, reached: bool) -> Optional[str]:
         """Why ``e`` is worth retrying, or None: SQLite's lock (``"locked"``), a lost or refused
         Postgres connection or a server that no longer takes writes (one of :data:`LOST`), a
