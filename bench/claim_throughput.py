@@ -9,9 +9,16 @@ three alike):
 * ``raw``      the reference of the target: psycopg2 / sqlite3 issuing, per round, ONE transaction
                that acks the previous batch (fenced by id and token) and claims the next n (the
                same ``SKIP LOCKED`` CTE on Postgres, the same statement under ``BEGIN IMMEDIATE``
-               on SQLite) and reads their work strings; no audit events, no counters.
+               on SQLite) and reads their work strings; no audit events, no counters. Since
+               issue 16 in the fewest calls the driver allows, as wq_sql's own round: Postgres
+               one statement in autocommit mode (one round trip, the server commits); SQLite the
+               acks as one ``UPDATE ... FROM (VALUES ...)`` and the work strings read in the
+               claim's ``RETURNING``.
+* ``raw_tx``   (opt-in) the reference as it was before issue 16, for comparison with older figures:
+               Postgres ``BEGIN`` / the statement / ``COMMIT`` (three round trips); SQLite
+               ``executemany()`` of one-row acks and a ``SELECT`` of the work strings.
 * ``raw_same`` wq_sql's own round (``claim.ClaimRound``: + history rows and per-worker counters) issued
-               through the raw driver: the gap to ``wq_sql`` is the library's Python overhead, the
+               through the raw driver (Postgres: in autocommit mode, as wq_sql sends it): the gap to ``wq_sql`` is the library's Python overhead, the
                gap between ``raw`` and ``raw_same`` is the price of the audit trail.
 * ``wq_startup`` (Postgres, opt-in: ``--variants wq_sql,wq_startup``) ``wq_sql`` on an engine that
                sends its timeouts as libpq startup options (``make_engine(startup_options=True)``,
@@ -108,11 +115,18 @@ _SQ_ACK = (f"UPDATE wq_items SET state = 'done', done_at = {_SQ_NOW}, lease_unti
            "WHERE id = ? AND token = ? AND state = 'claimed'")
 
 
-def _sq_claim(n: int) -> str:
+_SQ_ACKS = (f"UPDATE wq_items SET state = 'done', done_at = {_SQ_NOW}, lease_until = NULL "
+            "FROM (VALUES {pairs}) AS a WHERE wq_items.id = a.column1 AND wq_items.token = a.column2 "
+            "AND wq_items.state = 'claimed'")
+
+
+def _sq_claim(n: int, works: bool = True) -> str:
     return ("WITH c AS MATERIALIZED (SELECT id FROM wq_items WHERE queue_id = ? AND state = 'pending' "
             f"ORDER BY epoch, seq LIMIT {n}) UPDATE wq_items SET state = 'claimed', worker_id = ?, token = ?, "
             f"claimed_at = {_SQ_NOW}, lease_until = (strftime('%Y-%m-%d %H:%M:%f', 'now', '+60 seconds') || '000') "
-            "FROM c WHERE wq_items.id = c.id RETURNING id, work_idx")
+            "FROM c WHERE wq_items.id = c.id RETURNING id, work_idx"
+            + (", (SELECT work FROM wq_works w WHERE w.queue_id = wq_items.queue_id AND w.idx = wq_items.work_idx)"
+               if works else ""))
 
 
 def _raw_worker_id(cur: Any, qid: int, name: str, pg: bool) -> int:
@@ -140,7 +154,9 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         qid = cur.fetchone()[0]
         wid = _raw_worker_id(cur, qid, name, True)
         conn.commit()
-        sql = _pg_raw_sql(n) if variant == "raw" else ClaimRound(Dialect("postgresql"), n, 60.0)._sql
+        plain = variant != "raw_same"
+        sql = _pg_raw_sql(n) if plain else ClaimRound(Dialect("postgresql"), n, 60.0)._sql
+        conn.autocommit = variant != "raw_tx"  # one statement, one implicit transaction
         acks: list[tuple[int, int]] = []
         ready.set()
         go.wait()
@@ -152,7 +168,8 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
                 cur.execute(sql, {"q": qid, "w": wid, "t": token, "lease": 60.0, "fe": -1, "fs": -1, "lim": n,
                                   "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]})
                 rows = cur.fetchall()
-                conn.commit()
+                if not conn.autocommit:
+                    conn.commit()
             except psycopg2.errors.DeadlockDetected:
                 # Seen with 256 concurrent raw loops at batch 32; wq_sql retries a deadlock too
                 # (queue._transient), so the reference does the same: roll back, run the round again.
@@ -160,10 +177,10 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
                 print(f"{name}: deadlock, round retried", file=sys.stderr)
                 continue
             lat.append(time.perf_counter() - t)
-            got = [r for r in rows if variant == "raw" or r[0] == "c"]
+            got = [r for r in rows if plain or r[0] == "c"]
             if not got:
                 break
-            acks = [((r[0] if variant == "raw" else r[1]), token) for r in got]
+            acks = [((r[0] if plain else r[1]), token) for r in got]
             count += len(got)
         elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
         conn.close()
@@ -179,7 +196,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
     wid = _raw_worker_id(cur, qid, name, False)
     cur.execute("COMMIT")
     rnd = ClaimRound(Dialect("sqlite"), n, 60.0)
-    claim = _sq_claim(n)
+    claim = _sq_claim(n, works=variant == "raw")
     acks = []
     ready.set()
     go.wait()
@@ -189,12 +206,16 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         t = time.perf_counter()
         cur.execute("BEGIN IMMEDIATE")
         if variant == "raw":
+            if acks:
+                cur.execute(_SQ_ACKS.format(pairs=", ".join(["(?, ?)"] * len(acks))), [x for a in acks for x in a])
+            rows = cur.execute(claim, (qid, wid, token)).fetchall()
+        elif variant == "raw_tx":
             cur.executemany(_SQ_ACK, acks)
             rows = cur.execute(claim, (qid, wid, token)).fetchall()
         else:  # wq_sql's own round on this connection (it reads the work strings itself)
             _, claimed, _ = rnd.run(conn, qid, wid, acks)
             rows = [(c.id, c.work_idx, c.token) for c in claimed]
-        if rows and variant == "raw":
+        if rows and variant == "raw_tx":
             idx = sorted({r[1] for r in rows})
             cur.execute(f"SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN ({','.join('?' * len(idx))})",
                         (qid, *idx)).fetchall()
@@ -202,7 +223,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
         lat.append(time.perf_counter() - t)
         if not rows:
             break
-        acks = [(r[0], token if variant == "raw" else r[2]) for r in rows]
+        acks = [(r[0], r[2] if variant == "raw_same" else token) for r in rows]
         count += len(rows)
     elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
     conn.close()

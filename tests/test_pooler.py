@@ -19,7 +19,8 @@ import sqlalchemy as sa
 from conftest import bouncer_url, drop_pg_database, new_pg_database
 
 from wq_sql import WorkQueue
-from wq_sql.engine import driver_transaction, make_engine, resolve_url
+from wq_sql.engine import driver_statement, driver_transaction, make_engine, resolve_url
+from wq_sql.pooling import last_rows
 
 
 @pytest.fixture
@@ -72,6 +73,11 @@ def test_timeouts_hold_in_each_transaction_and_leak_to_no_other_client(
             cur.execute("SHOW idle_in_transaction_session_timeout")
             assert cur.fetchone()[0] == "7s"
             cur.close()
+        with driver_statement(engine) as (raw, prefix):  # the claim round's one query
+            cur = raw.cursor()
+            cur.execute(prefix + "SELECT current_setting('statement_timeout')")
+            assert last_rows(cur) == [("7s",)]
+            cur.close()
     finally:
         engine.dispose()
     # The single server session behind the pooler still has the server's defaults.
@@ -88,6 +94,9 @@ def test_statement_timeout_is_enforced_through_pgbouncer(one_conn_bouncer: tuple
             c.exec_driver_sql("SELECT pg_sleep(3)")
         with pytest.raises(sa.exc.DBAPIError, match="statement timeout"), driver_transaction(engine) as raw:
             raw.cursor().execute("SELECT pg_sleep(3)")
+        with pytest.raises(sa.exc.DBAPIError, match="statement timeout"), \
+                driver_statement(engine) as (raw, prefix):
+            raw.cursor().execute(prefix + "SELECT pg_sleep(3)")
         with engine.begin() as c:  # the connection is usable afterwards
             assert c.exec_driver_sql("SELECT 1").scalar() == 1
     finally:
@@ -111,6 +120,11 @@ def test_psycopg3_url_prepares_nothing(one_conn_bouncer: tuple[Any, str]) -> Non
                     cur = raw.cursor()
                     cur.execute("SELECT %(i)s::int * 2", {"i": i})
                     assert cur.fetchone()[0] == 2 * i
+                    cur.close()
+                with driver_statement(engine) as (raw, prefix):  # the claim round's one query
+                    cur = raw.cursor()
+                    cur.execute(prefix + "SELECT %(i)s::int * 3", {"i": i})
+                    assert last_rows(cur) == [(3 * i,)]
                     cur.close()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)

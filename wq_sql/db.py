@@ -110,7 +110,8 @@ class Db:
 
     def driver_tx(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn`` on the driver's own connection in one write transaction (the claim round's
-        hot path: ``engine.driver_transaction``), retried like :meth:`tx`."""
+        SQLite path and acknowledgements outside a round: ``engine.driver_transaction``),
+        retried like :meth:`tx`."""
         def once() -> T:
             with self._gate, driver_transaction(self.engine, self._write_turn()) as conn:
                 return fn(conn)

@@ -1,4 +1,4 @@
-"""Engines: URL resolution, engine creation, the driver-level transaction of the hot path, and the
+"""Engines: URL resolution, engine creation, the driver-level transactions of the hot path, and the
 one-line errors of a database that cannot be reached or opened (``open_error``). What differs
 between SQLite and Postgres (connection set-up, file checks, what an error means) is asked of
 ``wq_sql.dialects``.
@@ -120,7 +120,8 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
 def driver_transaction(engine: Engine,
                        turn: Optional[AbstractContextManager[None]] = None) -> Iterator[Any]:
     """A write transaction on a pooled connection, used through the driver itself (sqlite3 or
-    psycopg2): the claim round's hot path, where SQLAlchemy's per-connection and per-statement
+    psycopg2): the claim round on SQLite (on Postgres it is one query: :func:`driver_statement`)
+    and acknowledgements outside a round, where SQLAlchemy's per-connection and per-statement
     machinery cost as much as SQLite's own work (``bench/claim_throughput.py``). SQLite: ``BEGIN
     IMMEDIATE`` first, as for every write transaction here; psycopg2 begins on the first
     statement. Commits on success; rolls back otherwise. Driver errors come out as SQLAlchemy's

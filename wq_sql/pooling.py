@@ -70,7 +70,8 @@ class Timeouts:
 
 class DriverTx:
     """The control of one write transaction on a driver's own connection
-    (``engine.driver_transaction``, the claim round's hot path). Without per-transaction
+    (``engine.driver_transaction``; the claim round itself is one query, see
+    ``engine.driver_statement``). Without per-transaction
     timeouts (SQLite; ``startup_options=True``): the driver's own ``commit()`` and
     ``rollback()``, psycopg2 beginning on the first statement. With them: the connection is in
     the driver's autocommit mode for the duration, and ``BEGIN; SELECT set_config(...)`` go as
