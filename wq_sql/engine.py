@@ -189,9 +189,9 @@ def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
     per_tx = fairy.info.get(pooling.PER_TX)
     factory = None
     try:
-        conn.autocommit = True
-        factory = pooling.client_binding(conn)
         try:
+            conn.autocommit = True  # a connection the server closed meanwhile fails here
+            factory = pooling.client_binding(conn)
             yield conn, f"{per_tx}; " if per_tx else ""
         except driver_error as e:
             gone = dialect.is_disconnect(e, conn, None)
