@@ -126,7 +126,7 @@ class Db:
             return self.driver_tx(lambda conn: fn(conn, ""))
 
         def once() -> T:
-            with self._gate, driver_statement(self.engine) as (conn, prefix):
+            with self._gate, driver_statement(self.engine) as (conn, prefix), self._write_turn():
                 return fn(conn, prefix)
         return self.retrying(once)
 
