@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from sqlalchemy.engine import URL
 
-from wq_sql import migrate, ops
+from wq_sql import bell, migrate, ops
 from wq_sql.dialects import dialect_of
 from wq_sql.engine import make_engine, opening, resolve_url
 from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
@@ -137,7 +137,8 @@ def extend_queue(name: str, num_epochs: int, url: Optional[str | URL] = None,
         if num_epochs < row.num_epochs or not ops.extend_epochs(conn, row.id, num_epochs):
             raise InvalidInput(f"queue {name!r} has {row.num_epochs} epochs and num_epochs can only grow; "
                                f"give at least {row.num_epochs}")
-        return row.num_epochs, num_epochs
+    bell.ring(conn.engine, row.id)  # workers waiting at the old end see the new epochs now
+    return row.num_epochs, num_epochs
 
 
 def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> None:

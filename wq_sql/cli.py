@@ -67,7 +67,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from wq_sql import admin, migrate, ops, report
+from wq_sql import admin, bell, migrate, ops, report
 from wq_sql.dialects import Dialect, dialect_of, sqlite_file
 from wq_sql.engine import first_line as _first_line
 from wq_sql.engine import make_engine, mask_secrets, opening, resolve_url, safe_url
@@ -713,11 +713,12 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         from_state, what = CLAIMED, "claimed with an expired lease"
     else:
         from_state, what = CLAIMED, f"held by worker {args.worker!r}"
-    warning = None
+    warning, qid = None, None
 
     def run(conn: Connection) -> list[Any]:
-        nonlocal warning
+        nonlocal warning, qid
         q = _find_queue(conn, url, args.name)
+        qid = q.id
         wid = None
         if args.worker is not None:
             w = ops.find_worker(conn, q.id, args.worker, lock=False)
@@ -736,6 +737,8 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         _require_head(url, args.schema, rev)
         with engine.begin() as conn:
             rows = run(conn)
+        if rows and qid is not None:
+            bell.ring(engine, qid)  # workers waiting for these items claim them now
     finally:
         engine.dispose()
     if warning:

@@ -45,8 +45,11 @@ class Endings:
             keys, wid = [held.key], d.member.worker_id
             accepted = db.tx(lambda c: op(c, db.dialect, self.qid, wid, keys))
             d.book.drop(held)
-            if action != "complete" and held.item_id in accepted:
-                d.wake()  # back in the queue: another thread's take() may claim it
+        if held.item_id in accepted:
+            if action == "complete":
+                d.after_acks()
+            else:
+                d.made_claimable()  # back in the queue (a failure with attempts left too)
         if held.item_id not in accepted:
             raise LeaseLost(f"cannot {action} {held!r} (epoch {held.epoch}, seq {held.seq}): its lease "
                             "expired and another worker holds or finished it")
@@ -61,7 +64,10 @@ class Endings:
             accepted = db.tx(lambda c: ops.cover(c, db.dialect, self.qid, wid, keys, step, ambiguous))
             for i in held:
                 d.book.out.pop(i.item_id, None)
-            return d.book.settle(held, accepted, d.rules.name)
+            lost = d.book.settle(held, accepted, d.rules.name)
+        if accepted:
+            d.after_acks()
+        return lost
 
     def reopen_after(self, step: Optional[int], run: Optional[tuple[str, int]]) -> int:
         """Put back every item a checkpoint of this identity (and of the earlier restarts of its
@@ -72,6 +78,7 @@ class Endings:
             wid = d.member.worker_id
             n: int = db.tx(lambda c: ops.reopen_after(c, db.dialect, self.qid, wid, step, run))
         if n:
+            d.made_claimable()
             log.warning("worker %r restored from checkpoint step %s: %d item(s) covered by later "
                         "checkpoints went back to queue %r", d.rules.worker, step, n, d.rules.name)
         return n
@@ -109,7 +116,10 @@ class Endings:
         if missing:  # rare: an outage may have lost a committed round's reply
             accepted |= self.db.tx(lambda c: ops.done_already(c, missing), read=True)
         with d.lock:
-            return d.book.settle([i for items in handed.values() for i in items], accepted, d.rules.name)
+            lost = d.book.settle([i for items in handed.values() for i in items], accepted, d.rules.name)
+        if accepted:
+            d.after_acks()
+        return lost
 
     def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]], lease_seconds: float) -> list[WorkItem]:
         """Hold, under this worker, items other workers (``{holder worker id: items}``) handed to
@@ -156,3 +166,7 @@ class Endings:
             book.settle(done, accepted, d.rules.name)
         finally:
             book.clear()
+        if give_back or failing:
+            d.ring()
+        elif accepted:
+            d.after_acks(always=True)  # once per worker: was its last acknowledgement the queue's?

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from sqlalchemy import Connection
 
-from wq_sql import ops
+from wq_sql import bell, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.db import Db
 from wq_sql.epochs import EpochMaker
@@ -79,6 +79,15 @@ class Dispenser:
         self.sizer = Sizer(rules.lease_ahead)       # how many items a round claims
         self.refiller: Optional[Refiller] = None   # refills the buffer in the background
         self.pid = os.getpid()
+        # The doorbell (bell.py): rings of this queue heard so far, and how to stop hearing them
+        # (subscribed at the first wait, so a worker that never waits opens no listener).
+        self.rings = 0
+        self._deafen: Optional[Callable[[], None]] = None
+        self._rows_rang = 0.0  # when epoch_rows() last rang
+        # The last claim round got fewer items than it asked for: an acknowledgement of this
+        # worker's may be the queue's last one (after_acks()).
+        self.drained = False
+        self._rang_end = False  # this object rang the queue's end (once is enough)
 
     def check_usable(self) -> None:
         if self.closed:
@@ -93,6 +102,7 @@ class Dispenser:
         """``WorkQueue.take_many``: hand out, refill, or wait, until items or an exception."""
         asked: Optional[float] = time.monotonic()
         while True:
+            rings = self.rings  # before the round: a ring after it may mean something it missed
             with self.lock:
                 self.check_usable()
                 if asked is not None:
@@ -117,27 +127,32 @@ class Dispenser:
                     if r is not None:
                         r.schedule(self.pace)
                     return got
-            self._wait(deadline, stop)
+            self._wait(deadline, stop, rings)
 
-    def _wait(self, deadline: Optional[float], stop: Optional[Callable[[], bool]]) -> None:
+    def _wait(self, deadline: Optional[float], stop: Optional[Callable[[], bool]], rings: int) -> None:
         """Nothing was claimable, but live workers hold items. Wait until this worker's own buffer
         holds an item (a refill thread may claim one at any moment, and notifies), something in
         this process may have made an item claimable (the epoch maker's rows, an item released or
-        expired here: :meth:`wake`), or a poll of the database says an item may be claimable or
-        the queue is finished (then the take ends with :class:`QueueExhausted` from the poll).
-        Polls are read-only probes (cheap for the database even with a thousand waiting workers;
-        no write lock on SQLite), with backoff up to ``poll_seconds``;
+        expired here: :meth:`wake`), the queue rang (``bell.py``: another process made such a
+        change, or finished the queue; ``rings`` is the count seen before the round that found
+        nothing), or a poll of the database says an item may be claimable or the queue is
+        finished (then the take ends with :class:`QueueExhausted` from the poll). A ring is
+        answered by a poll at once. Polls are read-only probes (cheap for the database even with
+        a thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
         the lock is not held during a poll, so other threads can complete items meanwhile."""
+        self._listen()
         pause = 0.02
-        # Poll about as often as this worker took items while it had work (never more than every
-        # 20 ms, never less than every poll_seconds): at the end of a drain, the others' last
-        # items take about that long, and a 1 s backoff would add up to 1 s to the job.
-        cap = min(self.rules.poll_seconds, max(pause, self.pace.interval or self.rules.poll_seconds))
         with self.lock:
             news = self.news
         polls = 0
         db = self.db
         while True:
+            # While the bell is live, polls are the safety net only: every poll_seconds. Without
+            # it, poll about as often as this worker took items while it had work (never more
+            # than every 20 ms): at the end of a drain, the others' last items take about that
+            # long, and a 1 s backoff would add up to 1 s to the job.
+            cap = (self.rules.poll_seconds if bell.live(db.engine) else
+                   min(self.rules.poll_seconds, max(pause, self.pace.interval or self.rules.poll_seconds)))
             # Jittered while backing off (waiters started together drift apart), then every
             # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
             next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
@@ -145,6 +160,9 @@ class Dispenser:
                 while True:
                     if self.book.buffer or self.news != news or self.closed:
                         return  # take_many() hands out, claims again, or says it is closed
+                    if self.rings != rings:
+                        rings = self.rings
+                        break  # poll now
                     now = time.monotonic()
                     if (deadline is not None and now >= deadline) or (stop is not None and stop()):
                         raise QueueEmpty(f"no item of queue {self.rules.name!r} is claimable now; "
@@ -164,6 +182,33 @@ class Dispenser:
             polls += 1
             if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
                 return
+
+    def _listen(self) -> None:
+        """Subscribe to this queue's rings (once per process; see :meth:`heard`)."""
+        if self._deafen is None and not self.closed:
+            self._deafen = bell.subscribe(self.db.engine, self.qid, weak_method(self.heard, None))
+
+    def heard(self) -> None:
+        """From the bell's thread: this queue rang. A waiting take polls at once."""
+        self.rings += 1  # only the bell's thread writes it
+        # The lock is held briefly by a waiter between its checks, or for a claim round, whose
+        # end notifies anyway (_claim): give up after a while rather than stall the bell.
+        if self.lock.acquire(timeout=0.2):
+            try:
+                self.changed.notify_all()
+            finally:
+                self.lock.release()
+
+    def ring(self) -> None:
+        """After a transaction that made an item of this queue claimable, or finished it: wake
+        the takes that wait for it, in every process (``bell.py``)."""
+        bell.ring(self.db.engine, self.qid)
+
+    def deafen(self) -> None:
+        """Stop hearing this queue's rings (closed, or a forked child: not the parent's)."""
+        deafen, self._deafen = self._deafen, None
+        if deafen is not None and os.getpid() == self.pid:
+            deafen()
 
     def _adopt_orphans(self) -> bool:
         """The guard for what the rest cannot prove: items the database says this worker holds
@@ -202,6 +247,7 @@ class Dispenser:
             except BaseException:
                 self.book.unsend(acks)
                 raise
+        self.after_acks()
 
     def give_back_idle(self, beat: float) -> int:
         """For the heartbeat: give back the buffered (claimed ahead, never handed out) items
@@ -226,15 +272,45 @@ class Dispenser:
             book.buffer.clear()
             log.info("queue %r: worker %r gave back %d item(s) claimed ahead that no take() asked "
                      "for in %.1f s", self.rules.name, self.rules.worker, len(back), idle)
-            return len(back)
         finally:
             self.lock.release()
+        if back:
+            self.ring()
+        return len(back)
 
     def wake(self) -> None:
         """``WorkQueue.wake``: every waiting take looks again now."""
         with self.lock:
             self.news += 1
             self.changed.notify_all()
+
+    def made_claimable(self) -> None:
+        """Something in this process made items of this queue claimable (returned lost items,
+        released or failed one for a retry): the waiting takes of this object and, through the
+        bell, of every process look again now."""
+        self.wake()
+        self.ring()
+
+    def epoch_rows(self) -> None:
+        """The epoch maker committed a chunk of rows: takes of this object waiting for them
+        claim now; other processes' hear one ring per quarter second of making at most (only
+        the first chunk matters to a waiting take: after it, it claims)."""
+        self.wake()
+        now = time.monotonic()
+        if now - self._rows_rang >= 0.25:
+            self._rows_rang = now
+            self.ring()
+
+    def after_acks(self, always: bool = False) -> None:
+        """After a transaction that acknowledged items outside a claim round: if this worker
+        found nothing left to claim (or claimed the queue's last item in claim order), or
+        ``always``, its acknowledgement may have finished the queue, which the takes waiting in
+        other processes must hear (one read, only then)."""
+        if not (self.drained or always):
+            return
+        done, failed = self.db.tx(lambda c: ops.progress(c, self.qid), read=True)
+        if done + failed >= self.extent.total:
+            self.ring()
 
     def _claim(self, acks: list[WorkItem], limit: int) -> int:
         """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
@@ -243,9 +319,13 @@ class Dispenser:
         t = time.monotonic()
         accepted, got, works = self.db.driver_round(
             lambda conn, prefix: self.round.run(conn, self.qid, self.member.worker_id, keys, limit, prefix))
+        if limit:
+            self.drained = len(got) < limit
         if got:
             now, per_epoch = time.monotonic(), self.extent.items_per_epoch
             at = [g.epoch * per_epoch + g.seq for g in got]  # positions in claim order
+            if max(at) == self.extent.total - 1:  # the last item in claim order: nothing after it
+                self.drained = True
             self.sizer.claimed(now - t, now, min(at), max(at), len(got), self.extent.total)
         if len(accepted) < len(keys):  # rare: an outage may have lost a committed round's reply
             missing = [k for k in keys if k[0] not in accepted]
@@ -288,11 +368,16 @@ class Dispenser:
         done, failed, num_epochs = db.tx(finished, read=True)
         if num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
             self.extent.num_epochs = num_epochs
+            self._rang_end = False
             return self._fill(limit)
         if done + failed >= self.extent.total:
+            if not self._rang_end:  # this worker's acknowledgements may have been the last ones
+                self._rang_end = True
+                self.ring()
             raise QueueExhausted(rules.name, done, failed)
         if db.may_expire and db.expire_tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts),
                                           default=0):
+            self.ring()  # more came back than this round may claim
             return self._fill(limit)
 
     def prefetch(self, min_claim: int = 1) -> int:
@@ -344,6 +429,7 @@ class Dispenser:
             self.changed.wait()
         self.closed = True
         self.changed.notify_all()  # takes waiting in other threads see it closed
+        self.deafen()
         return True
 
     def holding(self, stop: threading.Event) -> Optional[tuple[set[int], int]]:
@@ -370,6 +456,8 @@ class Dispenser:
         self.member = member
         self.filling = False
         self.refiller = None  # the parent's threads do not exist here
+        self._deafen = None   # nor its bell (bell.py forgets it in the child)
+        self.drained = False
         self.pace = Pace()
         self.sizer = Sizer(self.rules.lease_ahead)
         self.book.clear()

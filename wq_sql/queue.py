@@ -163,7 +163,8 @@ class WorkQueue:
             self.prefix: Optional[str] = row.prefix if spec is None else spec.prefix
             self._extent = Extent(row.n_works, row.num_epochs)
             epochs = EpochMaker(db, Order(row.id, row.n_works, row.shuffle, row.seed), row.epochs_created,
-                                weak_method(self._num_epochs, 0), weak_method(self.wake, None), self.name)
+                                weak_method(self._num_epochs, 0), weak_method(self._epoch_rows, None),
+                                self.name)
             member, recovered = register(db, self._qid, self.name, self.worker, self._terms())
             rules = Rules(self.name, self.worker, o.lease_ahead, o.poll_seconds, row.max_attempts,
                           o.auto_complete, o.claim_ahead)
@@ -252,7 +253,7 @@ class WorkQueue:
         self._heartbeat = Heartbeat(self._db, self._qid, d.member, self._terms(), self.name,
                                     holding=weak_method(d.holding, None),
                                     superseded=weak_method(d.lose_identity, None),
-                                    returned=weak_method(d.wake, None),
+                                    returned=weak_method(d.made_claimable, None),
                                     idle=weak_method(d.give_back_idle, 0))
 
     # ------------------------------------------------------------------ taking
@@ -278,6 +279,9 @@ class WorkQueue:
         self._ensure_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._d.take_many(n, deadline, claim, stop)
+
+    def _epoch_rows(self) -> None:
+        self._d.epoch_rows()  # the epoch maker's chunk is in: waiting takes claim it
 
     def wake(self) -> None:
         """Wake every ``take()`` of this object that waits for other workers' items: it looks
@@ -454,6 +458,7 @@ class WorkQueue:
         if not got:
             raise InvalidInput(f"num_epochs can only grow; queue {self.name!r} already has more")
         self._extent.num_epochs = got
+        self._d.made_claimable()  # takes waiting at the old end see the new epochs now
 
     def close(self, *, _failed: Optional[BaseException] = None) -> None:
         """Acknowledge what was handed out, give back what was claimed ahead, and leave."""

@@ -1,0 +1,210 @@
+"""The doorbell (``wq_sql/bell.py``): a take waiting for other workers' items is woken by the
+change it waits for, rung by the process that made it, not found by its next poll. Shared over
+both backends (and PgBouncer, where LISTEN hears nothing: the wait polls, as before)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from conftest import POOLED
+from wq_sql import QueueExhausted, WorkQueue, bell
+
+# A waiter whose polls come this rarely can only have been woken by a ring in these tests.
+SLOW_POLLS = 60.0
+
+
+def _waiter(url: str, name: str, out: Any) -> None:
+    wq = WorkQueue.attach(name, url=url, worker=f"waiter-{os.getpid()}", poll_seconds=SLOW_POLLS)
+    got = []
+    try:
+        while True:
+            got.append(wq.take())
+            out.put(("took", time.time(), wq._d.rings))
+    except QueueExhausted:
+        out.put(("end", time.time(), wq._d.rings, got))
+    finally:
+        wq.close()
+
+
+def _start_waiter(url: str, name: str) -> tuple[Any, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_waiter, args=(url, name, out), daemon=True)
+    p.start()
+    return p, out
+
+
+def _held_queue(url: str, name: str, items: list[str]) -> WorkQueue:
+    """A queue whose every item the returned worker holds."""
+    WorkQueue(items, name=name, url=url, worker="creator").close()
+    holder = WorkQueue.attach(name, url=url, worker="holder", lease_ahead=len(items), claim_ahead=False)
+    for _ in items:
+        holder.take()
+    return holder
+
+
+def _wait_until_waiting(url: str, name: str, seconds: float = 60) -> None:
+    """Until the waiter joined and its bell is live (it subscribes at its first wait)."""
+    engine = sa.create_engine(url)
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with engine.connect() as c:
+                n = c.execute(sa.text("SELECT count(*) FROM wq_workers w JOIN wq_queues q ON q.id = "
+                                      "w.queue_id WHERE q.name = :n AND w.name LIKE 'waiter-%'"),
+                              {"n": name}).scalar()
+            if n:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the waiter never joined")
+    finally:
+        engine.dispose()
+    time.sleep(3.0)  # its first polls back off; a live bell (probe included) is up long before
+
+
+def test_the_end_of_the_queue_wakes_a_waiting_take_in_another_process(db_url: str, backend: str) -> None:
+    holder = _held_queue(db_url, "end", ["a", "b"])
+    p, out = _start_waiter(db_url, "end")
+    try:
+        _wait_until_waiting(db_url, "end")
+        t = time.time()
+        with pytest.raises(QueueExhausted):
+            holder.take()  # acknowledges the last item: the queue is finished
+        kind, at, rings, got = out.get(timeout=SLOW_POLLS / 2)
+        assert kind == "end" and got == []
+        if backend == POOLED:  # LISTEN hears nothing through a transaction pooler: it polled
+            assert rings == 0
+        else:
+            assert rings >= 1, "the waiter was not woken by a ring"
+            assert at - t < 10, f"woken {at - t:.1f}s after the end"
+    finally:
+        holder.close()
+        p.join(30)
+        p.kill()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+def test_an_item_given_back_wakes_a_waiting_take_in_another_process(db_url: str, backend: str) -> None:
+    holder = _held_queue(db_url, "back", ["a"])
+    p, out = _start_waiter(db_url, "back")
+    try:
+        _wait_until_waiting(db_url, "back")
+        t = time.time()
+        holder.release("a")
+        kind, at, rings = out.get(timeout=SLOW_POLLS / 2)[:3]
+        assert kind == "took" and at - t < 10, (kind, at - t)
+        assert rings >= 1, "the waiter was not woken by a ring"
+    finally:
+        holder.close()
+        p.join(30)
+        p.kill()
+
+
+def test_a_ring_reaches_every_process_and_skips_dead_ones(tmp_path: Path) -> None:
+    """SQLite's bell: one datagram socket per process in the database's folder; a socket whose
+    process was SIGKILLed is removed by the next ring, and a ring with nobody listening is a
+    no-op."""
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    engine = sa.create_engine(url)
+    folder = bell._SocketBell.folder_of(tmp_path / "q.db")
+    bell.ring(engine, 1)  # nobody listens yet: nothing happens
+    heard: list[int] = []
+    stop = bell.subscribe(engine, 1, lambda: heard.append(1))
+    try:
+        deadline = time.monotonic() + 10
+        while not bell.live(engine) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bell.live(engine)
+        # A dead process's socket: bound, then its owner gone without unlinking it.
+        dead = folder / "999999999-dead"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(str(dead))
+        s.close()
+        ctx = mp.get_context("fork")
+        child = ctx.Process(target=bell.ring, args=(engine, 1))
+        child.start()
+        child.join(30)
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert heard, "the ring from another process was not heard"
+        assert not dead.exists(), "a dead process's socket was left"
+    finally:
+        stop()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_the_postgres_listener_comes_back_after_its_connection_is_killed(db_url: str, backend: str) -> None:
+    engine = sa.create_engine(db_url)
+    heard: list[int] = []
+    stop = bell.subscribe(engine, 7, lambda: heard.append(1))
+    try:
+        _until(lambda: bell.live(engine), "the listener never went live")
+        with engine.connect() as c, c.begin():
+            killed = c.execute(sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE pid <> "
+                "pg_backend_pid() AND datname = current_database() AND query LIKE 'LISTEN%'")).scalar()
+        assert killed == 1
+        _until(lambda: not bell.live(engine), "the lost listener still says it is live")
+        _until(lambda: bell.live(engine), "the listener never came back")
+        heard.clear()
+        bell.ring(engine, 7)
+        _until(lambda: bool(heard), "a ring after the reconnect was not heard")
+    finally:
+        stop()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", [POOLED], indirect=True)
+def test_through_pgbouncer_the_bell_stays_off_and_says_why(db_url: str, backend: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    engine = sa.create_engine(db_url)
+    stop = bell.subscribe(engine, 3, lambda: None)
+    try:
+        with caplog.at_level("INFO", logger="wq_sql"):
+            _until(lambda: "LISTEN hears nothing" in caplog.text, "no INFO line about the pooler")
+        assert not bell.live(engine)
+    finally:
+        stop()
+        engine.dispose()
+
+
+def _until(cond: Any, message: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.02)
+
+
+def test_sigkill_of_a_listening_process_leaves_the_others_hearing(tmp_path: Path) -> None:
+    """The socket of a SIGKILLed waiter stays in the folder; rings skip it (and remove it), and
+    the live waiter still wakes."""
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    holder = _held_queue(url, "k", ["a"])
+    victim, _ = _start_waiter(url, "k")
+    p, out = _start_waiter(url, "k")
+    try:
+        _wait_until_waiting(url, "k")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        with pytest.raises(QueueExhausted):
+            holder.take()
+        kind, at, rings, _ = out.get(timeout=SLOW_POLLS / 2)
+        assert kind == "end" and rings >= 1
+        folder = bell._SocketBell.folder_of(tmp_path / "q.db")
+        assert not any(n.startswith(f"{victim.pid}-") for n in os.listdir(folder))
+    finally:
+        holder.close()
+        p.join(30)
+        p.kill()
