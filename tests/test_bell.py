@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
 from conftest import POOLED
+
 from wq_sql import QueueExhausted, WorkQueue, bell
 
 # A waiter whose polls come this rarely can only have been woken by a ring in these tests.

@@ -116,16 +116,17 @@ def _key(engine: Engine) -> str:
 
 
 def _local(engine: Engine, payload: str) -> None:
-    """Same-process waiters: at once, unless the bell hears this process's own rings anyway."""
+    """Same-process waiters, when this process's bell is not live (it hears its own rings when it
+    is): called from a thread of their own, never the ringer's, which may hold a queue object's
+    lock that a listener takes (``Dispenser.heard``)."""
     bell = _bells.get(_key(engine))
-    if bell is not None and bell.pid == os.getpid() and not (bell.live and bell.hears_itself):
-        bell.dispatch(payload)
+    if bell is not None and bell.pid == os.getpid() and not bell.live:
+        threading.Thread(target=bell.dispatch, args=(payload,), name="wq_sql-bell-local", daemon=True).start()
 
 
 class _Bell:
-    """One process's ear on one database: a thread that hears rings and calls the listeners."""
-
-    hears_itself = False
+    """One process's ear on one database: a thread that hears rings (this process's own too)
+    and calls the listeners."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -192,12 +193,9 @@ class _SocketBell(_Bell):
             names = os.listdir(folder)
         except FileNotFoundError:
             return  # nobody listens
-        mine = f"{os.getpid()}-"
         data = payload.encode()
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             for name in names:
-                if name.startswith(mine):
-                    continue  # this process: _local() calls its listeners directly
                 where = str(folder / name)
                 try:
                     s.sendto(data, socket.MSG_DONTWAIT, where)
@@ -238,8 +236,6 @@ class _SocketBell(_Bell):
 
 class _NotifyBell(_Bell):
     """Postgres: ``LISTEN`` on one connection of this process, outside the engine's pool."""
-
-    hears_itself = True
 
     def listen(self) -> None:
         pause = 0.5
