@@ -167,6 +167,44 @@ def test_the_postgres_listener_comes_back_after_its_connection_is_killed(db_url:
 
 
 @pytest.mark.parametrize("backend", [POOLED], indirect=True)
+def test_behind_pgbouncer_a_direct_listen_url_brings_the_bell_back(db_url: str, backend: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    direct = sa.engine.make_url(db_url).set(host="127.0.0.1", port=sa.engine.make_url(
+        os.environ["WQ_SQL_TEST_PG"]).port or 5432)
+    monkeypatch.setenv("WQ_SQL_LISTEN_URL", direct.render_as_string(hide_password=False))
+    holder = _held_queue(db_url, "end", ["a"])
+    p, out = _start_waiter(db_url, "end")  # spawned: it inherits $WQ_SQL_LISTEN_URL
+    try:
+        _wait_until_waiting(db_url, "end")
+        t = time.time()
+        with pytest.raises(QueueExhausted):
+            holder.take()
+        kind, at, rings, _ = out.get(timeout=SLOW_POLLS / 2)
+        assert kind == "end" and rings >= 1, "the waiter behind PgBouncer was not woken by a ring"
+        assert at - t < 10
+    finally:
+        holder.close()
+        p.join(30)
+        p.kill()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_listen_url_of_another_database_is_refused_with_a_warning(
+        db_url: str, backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("WQ_SQL_LISTEN_URL", sa.engine.make_url(db_url).set(database="postgres")
+                       .render_as_string(hide_password=False))
+    engine = sa.create_engine(db_url)
+    stop = bell.subscribe(engine, 3, lambda: None)
+    try:
+        with caplog.at_level("WARNING", logger="wq_sql"):
+            _until(lambda: "reaches another database" in caplog.text, "no WARNING about the listen URL")
+        assert not bell.live(engine)
+    finally:
+        stop()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", [POOLED], indirect=True)
 def test_through_pgbouncer_the_bell_stays_off_and_says_why(db_url: str, backend: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     engine = sa.create_engine(db_url)

@@ -14,9 +14,12 @@ live (``Bell.live``), at the worker's own pace otherwise (the wait in ``handout.
   transaction mode a ``LISTEN`` hears nothing (the server connection is handed to other
   clients between transactions), so a new listener first proves it hears: it listens on a
   channel of its own, notifies it from a pooled connection, and goes live only if the
-  notification arrives; otherwise the process polls as before, and one INFO line says why. A
-  lost listener (restart, failover) reconnects with back-off and, once back, wakes every waiter
-  once (a ring may have been missed meanwhile).
+  notification arrives; otherwise the process polls as before, and one INFO line says why.
+  ``$WQ_SQL_LISTEN_URL`` names a direct URL of the same database for the listener (workers
+  behind a pooler then hear rings too, at one server connection per process); a listener that
+  finds another server or database there stays off, with a WARNING. A lost listener (restart,
+  failover) reconnects with back-off and, once back, wakes every waiter once (a ring may have
+  been missed meanwhile).
 - SQLite (one host): one Unix datagram socket per process in a folder named after the database
   file, under the temporary folder (``<tmp>/wq_sql-<uid>/<hash of the path>/``); a ring sends
   the queue id to every socket there (a socket no process has open any more is removed).
@@ -40,6 +43,7 @@ from typing import Any, Callable, Optional
 from sqlalchemy import Engine, text
 
 from wq_sql.dialects import sqlite_file
+from wq_sql.engine import make_engine, resolve_url, safe_url
 
 log = logging.getLogger("wq_sql")
 
@@ -235,17 +239,35 @@ class _SocketBell(_Bell):
 
 
 class _NotifyBell(_Bell):
-    """Postgres: ``LISTEN`` on one connection of this process, outside the engine's pool."""
+    """Postgres: ``LISTEN`` on one connection of this process, outside the engine's pool (or
+    on ``$WQ_SQL_LISTEN_URL``'s)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.via = engine
+        direct = os.environ.get("WQ_SQL_LISTEN_URL")
+        if direct:
+            self.via = make_engine(resolve_url(direct), pool_size=1)
 
     def listen(self) -> None:
+        try:
+            self._listen()
+        finally:
+            if self.via is not self.engine:
+                self.via.dispose()
+
+    def _listen(self) -> None:
         pause = 0.5
         while not self._stopped:
             conn = None
             try:
+                if self.via is not self.engine and not self._same_database():
+                    return
                 conn = self._connect()
                 if conn is None:
-                    log.info("wq_sql: LISTEN hears nothing on %s (a pooler in transaction mode?): "
-                             "waiting takes poll the database", self.engine.url.render_as_string())
+                    log.info("wq_sql: LISTEN hears nothing on %s (a pooler in transaction mode? "
+                             "$WQ_SQL_LISTEN_URL can name a direct URL): waiting takes poll the "
+                             "database", safe_url(self.via.url))
                     return
                 self.live = True
                 pause = 0.5
@@ -253,7 +275,7 @@ class _NotifyBell(_Bell):
                 self._hear(conn)
             except Exception as e:  # noqa: BLE001 - lost: reconnect, the polls cover meanwhile
                 self.live = False
-                log.debug("wq_sql bell on %s lost (%s); reconnecting", self.engine.url.render_as_string(), e)
+                log.debug("wq_sql bell on %s lost (%s); reconnecting", safe_url(self.via.url), e)
                 self._sleep(pause)
                 pause = min(2 * pause, RETRY_MAX)
             finally:
@@ -265,9 +287,23 @@ class _NotifyBell(_Bell):
     def _sleep(self, seconds: float) -> None:
         select.select([self._wake_r], [], [], seconds)
 
+    def _same_database(self) -> bool:
+        """Whether ``$WQ_SQL_LISTEN_URL`` reaches the workers' database (same database name and
+        server start time, seen through both URLs); False with a WARNING if not."""
+        q = text("SELECT current_database(), pg_postmaster_start_time()")
+        with self.engine.connect() as a, self.via.connect() as b:
+            ours, theirs = a.execute(q).one(), b.execute(q).one()
+        if tuple(ours) != tuple(theirs):
+            log.warning("wq_sql: $WQ_SQL_LISTEN_URL (%s) reaches another database than the workers' "
+                        "url (%s); the doorbell is off, waiting takes poll", safe_url(self.via.url),
+                        safe_url(self.engine.url))
+            self._stopped = True
+            return False
+        return True
+
     def _connect(self) -> Any:
         """A listening connection that was proven to hear, or None (a transaction pooler)."""
-        fairy = self.engine.raw_connection()
+        fairy = self.via.raw_connection()
         fairy.detach()  # not the pool's any more: closed when this bell is done with it
         conn: Any = fairy.dbapi_connection
         try:
@@ -275,7 +311,7 @@ class _NotifyBell(_Bell):
             probe = f"{CHANNEL}_probe_{os.getpid()}_{os.urandom(4).hex()}"
             with conn.cursor() as cur:
                 cur.execute(f'LISTEN "{probe}"')
-            with self.engine.connect() as other, other.begin():
+            with self.via.connect() as other, other.begin():
                 other.execute(text("SELECT pg_notify(:c, '')"), {"c": probe})
             deadline = time.monotonic() + PROBE_SECONDS
             heard = False
