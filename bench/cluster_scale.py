@@ -29,6 +29,9 @@ Reported as ratios against N = 100. Targets (issue 17): at N = 2,000 throughput 
 Target: makespan <= 1.10x ideal. ``--trace-slow MS``: where the time goes: the stacks of takes
 that run longer than MS ms (sampled every 10 ms; ``[over]`` once the queue ended), when slow takes
 began, the worker processes' garbage collections, PgBouncer's queue, and when workers saw the end.
+``--listen-direct`` (both commands): each worker process's doorbell listener connects to the
+server directly (``$WQ_SQL_LISTEN_URL``), so waiting workers are woken by the end instead of
+finding it by a poll; without it the bell is off behind PgBouncer.
 
     .venv/bin/python bench/cluster_scale.py scale                  # N = 100, 500, 2000 (~10 min)
     .venv/bin/python bench/cluster_scale.py scale --rate 0 --n 20,60 # no work per item: saturation
@@ -287,6 +290,8 @@ class Rig:
         self.bouncer = PgBouncer("127.0.0.1", self.pg.port, pool_size=a.pool_size, max_client_conn=20_000,
                                  settings={"max_db_connections": a.pool_size}).start()
         self.url = self.bouncer.url(DB)
+        if a.listen_direct:  # the doorbell's listeners connect directly (one per worker process)
+            os.environ["WQ_SQL_LISTEN_URL"] = self.pg.url(DB)
         print(f"# cluster {self.pg.url(DB)} (max_connections 100{', ' + ', '.join(a.pg_set) if a.pg_set else ''}), "
               f"PgBouncer {self.url} (transaction pooling, pool {a.pool_size})", flush=True)
 
@@ -673,6 +678,9 @@ def main(argv: list[str]) -> int:
         p.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
                        help="a postgresql.conf setting of the throwaway cluster (repeatable)")
         p.add_argument("--json", default=None)
+        p.add_argument("--listen-direct", action="store_true",
+                       help="$WQ_SQL_LISTEN_URL = the server's direct URL: each worker process's "
+                            "doorbell listener bypasses PgBouncer (without it, waits poll)")
         p.add_argument("--trace-slow", type=float, default=0.0, metavar="MS",
                        help="sample the stacks of takes running longer than MS ms, and print where they wait")
     s = sub.choices["scale"]
