@@ -184,6 +184,17 @@ class _SocketBell(_Bell):
         path = sqlite_file(engine.url)
         assert path is not None
         self.folder = self.folder_of(path)
+        self.where = self.folder / f"{self.pid}-{os.urandom(3).hex()}"
+
+    def stop(self) -> None:
+        super().stop()
+        self._leave()  # now, not when the thread gets to it: the process may be exiting
+
+    def _leave(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.where)
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()  # the last one out (not empty: another process listens)
 
     @staticmethod
     def folder_of(path: Path) -> Path:
@@ -211,13 +222,20 @@ class _SocketBell(_Bell):
                         log.debug("ring to %s not sent: %s", where, e)
 
     def listen(self) -> None:
-        where = self.folder / f"{self.pid}-{os.urandom(3).hex()}"
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            sock.bind(str(where))
-        except OSError as e:
-            log.info("wq_sql: no doorbell for %s (%s): waiting takes poll the database", self.folder, e)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for _attempt in range(3):
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+                sock.bind(str(self.where))
+                break
+            except FileNotFoundError:  # the last one out removed the folder meanwhile
+                continue
+            except OSError as e:
+                sock.close()
+                log.info("wq_sql: no doorbell in %s (%s): waiting takes poll the database", self.folder, e)
+                return
+        else:
+            sock.close()
             return
         try:
             self.live = True
@@ -234,8 +252,7 @@ class _SocketBell(_Bell):
         finally:
             self.live = False
             sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(where)
+            self._leave()
 
 
 class _NotifyBell(_Bell):
