@@ -59,7 +59,9 @@ def _worker(mode: str, url: str, queue: str, works: list[str], i: int, n_workers
     takes: list[float] = []
     slept = 0.0
     try:
-        if mode == "wq_sql":
+        if mode == "wq_sql_nobell":  # --bell-ab: the same, the doorbell off (waits poll)
+            os.environ["WQ_SQL_BELL"] = "0"
+        if mode in ("wq_sql", "wq_sql_nobell"):
             # --defaults: the library's own settings (issue 16's target), nothing passed
             knobs: dict[str, Any] = {} if a["defaults"] else {"lease_ahead": a["lease_ahead"], "claim_ahead": a["claim_ahead"]}
             wq = WorkQueue.attach(queue, url=url, worker=f"w{i}", **knobs)
@@ -122,7 +124,7 @@ def run_once(backend: str, mode: str, a: dict[str, Any], seed: int, admin: str) 
     ctx = mp.get_context("fork")
     with scratch(backend, admin, tag="tail") as url:
         queue = f"tail_{uuid.uuid4().hex[:6]}"
-        if mode == "wq_sql":
+        if mode.startswith("wq_sql"):
             WorkQueue(works, num_epochs=1, shuffle=False, seed=1, name=queue, url=url, worker="creator").close()
         go = ctx.Event()
         out = ctx.Queue()
@@ -208,6 +210,8 @@ def main(argv: list[str]) -> int:
                     help="WorkQueue.attach(name, url=, worker=) with the library's default settings: "
                          "--lease-ahead and --claim-ahead are not passed")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bell-ab", action="store_true",
+                    help="also run wq_sql with the doorbell off (WQ_SQL_BELL=0) in each repeat")
     ap.add_argument("--pg", default=PG_ADMIN)
     ap.add_argument("--svg", default=None, help="write a timeline picture of the last 'slow' runs here")
     ap.add_argument("--json", default=None)
@@ -222,22 +226,27 @@ def main(argv: list[str]) -> int:
         last: list[dict[str, Any]] = []
         for rep in range(ns.repeats):
             seed = 100 + rep
-            order = MODES[rep % 3:] + MODES[:rep % 3]
+            modes = MODES + (["wq_sql_nobell"] if ns.bell_ab else [])
+            order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             got = {m: run_once(ns.backend, m, a, seed, ns.pg) for m in order}
             b = ideal(a, got["wq_sql"]["slept"])
             row = {"rep": rep, "ideal": b, "counts": got["wq_sql"]["counts"], "load": os.getloadavg()[0],
                    "wq_sql_last_done": got["wq_sql"]["last_done"],
-                   **{m: got[m]["makespan"] for m in MODES}}
+                   **{m: got[m]["makespan"] for m in modes}}
             rows.append(row)
             last = [got["wq_sql"], got["memory"], got["static"]]
             print(f"  {ns.backend} {scenario} rep {rep}: wq_sql {row['wq_sql']:.3f}s (last item done "
                   f"{row['wq_sql_last_done']:.3f}s)  memory {row['memory']:.3f}s  static {row['static']:.3f}s  "
                   f"ideal {b:.3f}s  wq_sql/ideal {row['wq_sql'] / b:.3f}  take() p50 "
                   f"{got['wq_sql']['take_p50_ms']:.2f} ms p99 {got['wq_sql']['take_p99_ms']:.2f} ms  "
-                  f"items per worker {row['counts']}", flush=True)
+                  f"items per worker {row['counts']}"
+                  + (f"  bell off: wq_sql/ideal {row['wq_sql_nobell'] / b:.3f}" if ns.bell_ab else ""),
+                  flush=True)
         med = {k: median([r[k] for r in rows]) for k in (*MODES, "ideal", "wq_sql_last_done")}
         ratios = {k: median([r[k] / r["ideal"] for r in rows]) for k in (*MODES, "wq_sql_last_done")}
         vs_mem = median([r["wq_sql"] / r["memory"] for r in rows])
+        if ns.bell_ab:
+            ratios["wq_sql_nobell"] = median([r["wq_sql_nobell"] / r["ideal"] for r in rows])
         summary.append({"scenario": scenario, "backend": ns.backend, "settings": a, "median": med,
                         "ratio_to_ideal": ratios, "wq_sql_vs_memory": vs_mem,
                         "load": [r["load"] for r in rows]})
@@ -257,6 +266,8 @@ def main(argv: list[str]) -> int:
               f"| {m['wq_sql_last_done']:.3f} ({r['wq_sql_last_done']:.3f}) | {m['memory']:.3f} ({r['memory']:.3f}) "
               f"| {m['static']:.3f} ({r['static']:.2f}) | {x['wq_sql_vs_memory']:.3f} | <= 1.05 "
               f"| {'met' if r['wq_sql'] <= 1.05 else 'MISSED'} |")
+        if "wq_sql_nobell" in r:
+            print(f"|   (doorbell off, same runs) | | wq_sql/ideal {r['wq_sql_nobell']:.3f} | | | | | | |")
     dump(ns.json, summary)
     return 0
 
