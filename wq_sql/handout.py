@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from sqlalchemy import Connection
-
 from wq_sql import bell, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.db import Db
@@ -361,22 +359,22 @@ class Dispenser:
         if self.epochs.make():
             return self._fill(limit)
 
-        def finished(c: Connection) -> tuple[int, int, int]:
-            done, failed = ops.progress(c, qid)
-            return done, failed, ops.find_queue_by_id(c, qid).num_epochs
-
-        done, failed, num_epochs = db.tx(finished, read=True)
-        if num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
-            self.extent.num_epochs = num_epochs
+        # One read-only statement (the waiting take's poll): the counters, the epochs, and
+        # whether any lease ran out. Only then a write transaction returns expired items: at
+        # the end of a drain every worker gets here once, and an expiry sweep that finds
+        # nothing took SQLite's writers' queue as often (bench/long_tail.py).
+        peek = db.tx(lambda c: ops.peek(c, db.dialect, qid, self.member.worker_id), read=True)
+        if peek.num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
+            self.extent.num_epochs = peek.num_epochs
             self._rang_end = False
             return self._fill(limit)
-        if done + failed >= self.extent.total:
+        if peek.finished >= self.extent.total:
             if not self._rang_end:  # this worker's acknowledgements may have been the last ones
                 self._rang_end = True
                 self.ring()
-            raise QueueExhausted(rules.name, done, failed)
-        if db.may_expire and db.expire_tx(lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts),
-                                          default=0):
+            raise QueueExhausted(rules.name, peek.finished - peek.failed, peek.failed)
+        if peek.expired and db.may_expire and db.expire_tx(
+                lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts), default=0):
             self.ring()  # more came back than this round may claim
             return self._fill(limit)
 
