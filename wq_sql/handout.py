@@ -363,7 +363,7 @@ class Dispenser:
         # whether any lease ran out. Only then a write transaction returns expired items: at
         # the end of a drain every worker gets here once, and an expiry sweep that finds
         # nothing took SQLite's writers' queue as often (bench/long_tail.py).
-        peek = db.tx(lambda c: ops.peek(c, db.dialect, qid, self.member.worker_id), read=True)
+        peek = db.tx(lambda c: ops.after_empty_round(c, db.dialect, qid, self.member.worker_id), read=True)
         if peek.num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
             self.extent.num_epochs = peek.num_epochs
             self._rang_end = False

@@ -593,6 +593,16 @@ class Peek:
 def peek(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
     """What a waiting worker polls, read-only (no write lock on SQLite): index probes only
     (pending and claimed rows have partial indexes; the counters are a handful of rows)."""
+    return _look(conn, b, qid, worker_id)
+
+
+def after_empty_round(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
+    """What ``take()`` reads when its claim round found nothing: the poll's statement (the end,
+    more epochs, expired leases), read before it waits."""
+    return _look(conn, b, qid, worker_id)
+
+
+def _look(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
     pending = select(items.c.id).where(items.c.queue_id == qid, items.c.state == PENDING).limit(1)
     expired = select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED,
                                        items.c.lease_until < b.now()).limit(1)
