@@ -606,6 +606,21 @@ def test_close_without_auto_complete_gives_everything_back(db_url: str) -> None:
     assert [(r.state, r.attempts) for r in audit(db_url, "q")] == [("pending", 0)] * 3
 
 
+def test_close_gives_back_with_the_history_of_release(db_url: str) -> None:
+    # close() gives back in its own statements (driver-level SQL): the same rows as release().
+    with WorkQueue(["a", "b", "c", "d"], shuffle=False, lease_ahead=3, auto_complete=False,
+                   claim_ahead=False, name="q", url=db_url, worker="w") as wq:
+        wq.release(wq.take())  # a, released by hand; b handed out and c claimed ahead: by close()
+        assert wq.take() == "b"
+    assert [(r.state, r.attempts) for r in audit(db_url, "q")] == [("pending", 0)] * 4
+    rows = query(db_url, "SELECT e.seq, e.kind, w.name AS worker, e.token, e.detail, e.attempt, "
+                         "e.claimed_at, e.at FROM wq_events e JOIN wq_workers w ON w.id = e.worker_id "
+                         "ORDER BY e.seq")
+    assert [tuple(r[:6]) for r in rows] == [(s, "release", "w", None, None, 0) for s in (0, 1, 2)]
+    assert all(r.claimed_at is not None and r.at >= r.claimed_at for r in rows)
+    assert query(db_url, "SELECT heartbeat_at FROM wq_workers WHERE name = 'w'")[0][0] is None
+
+
 def test_leaving_with_block_on_exception_records_a_fail(db_url: str) -> None:
     with pytest.raises(RuntimeError):
         with WorkQueue(["a", "b", "c"], shuffle=False, lease_ahead=2, name="q", url=db_url,

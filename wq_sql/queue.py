@@ -171,7 +171,7 @@ class WorkQueue:
             self._d = Dispenser(db, self._qid, member, Holdings(self.prefix),
                                 ClaimRound(db.dialect, o.lease_ahead or AUTO_MAX, o.lease_seconds, schema),
                                 epochs, self._extent, rules)
-            self._endings = Endings(db, self._qid, self._d)
+            self._endings = Endings(db, self._qid, self._d, schema)
             self._start(recovered)
             registry.add(self, self._d.fresh_locks)
         except BaseException:
