@@ -193,25 +193,22 @@ def test_a_listen_url_of_another_database_is_refused_with_a_warning(
         db_url: str, backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("WQ_SQL_LISTEN_URL", sa.engine.make_url(db_url).set(database="postgres")
                        .render_as_string(hide_password=False))
-    engine = sa.create_engine(db_url)
-    stop = bell.subscribe(engine, 3, lambda: None)
-    try:
-        with caplog.at_level("WARNING", logger="wq_sql"):
-            _until(lambda: "reaches another database" in caplog.text, "no WARNING about the listen URL")
-        assert not bell.live(engine)
-    finally:
-        stop()
-        engine.dispose()
+    _assert_bell_stays_off(db_url, caplog, "WARNING", "reaches another database")
 
 
 @pytest.mark.parametrize("backend", [POOLED], indirect=True)
 def test_through_pgbouncer_the_bell_stays_off_and_says_why(db_url: str, backend: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    engine = sa.create_engine(db_url)
+    _assert_bell_stays_off(db_url, caplog, "INFO", "LISTEN hears nothing")
+
+
+def _assert_bell_stays_off(url: str, caplog: pytest.LogCaptureFixture, level: str, says: str) -> None:
+    """A listener on ``url`` logs ``says`` at ``level`` and never goes live."""
+    engine = sa.create_engine(url)
     stop = bell.subscribe(engine, 3, lambda: None)
     try:
-        with caplog.at_level("INFO", logger="wq_sql"):
-            _until(lambda: "LISTEN hears nothing" in caplog.text, "no INFO line about the pooler")
+        with caplog.at_level(level, logger="wq_sql"):
+            _until(lambda: says in caplog.text, f"no {level} line saying {says!r}")
         assert not bell.live(engine)
     finally:
         stop()
