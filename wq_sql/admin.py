@@ -138,6 +138,7 @@ def extend_queue(name: str, num_epochs: int, url: Optional[str | URL] = None,
             raise InvalidInput(f"queue {name!r} has {row.num_epochs} epochs and num_epochs can only grow; "
                                f"give at least {row.num_epochs}")
     bell.ring(conn.engine, row.id)  # workers waiting at the old end see the new epochs now
+    conn.engine.dispose()  # _queue_tx disposed it before; the ring may have connected again
     return row.num_epochs, num_epochs
 
 

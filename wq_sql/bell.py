@@ -67,9 +67,9 @@ def ring(engine: Engine, qid: int) -> None:
     waiters' polls find the change anyway)."""
     payload = _payload(engine, qid)
     try:
-        path = sqlite_file(engine.url)
         if engine.dialect.name == "sqlite":
-            if path is not None:
+            path = sqlite_file(engine.url)
+            if path is not None:  # a file: an in-memory database has no other process
                 _SocketBell.send(path, payload)
         else:
             with engine.connect() as conn, conn.begin():

@@ -47,14 +47,13 @@ class Endings:
             keys, wid = [held.key], d.member.worker_id
             accepted = db.tx(lambda c: op(c, db.dialect, self.qid, wid, keys))
             d.book.drop(held)
-        if held.item_id in accepted:
-            if action == "complete":
-                d.after_acks()
-            else:
-                d.made_claimable()  # back in the queue (a failure with attempts left too)
         if held.item_id not in accepted:
             raise LeaseLost(f"cannot {action} {held!r} (epoch {held.epoch}, seq {held.seq}): its lease "
                             "expired and another worker holds or finished it")
+        if action == "complete":
+            d.after_acks()
+        else:
+            d.made_claimable()  # back in the queue (a failure with attempts left too)
 
     def cover(self, items: Sequence[WorkItem], step: int, ambiguous: int) -> list[WorkItem]:
         """Mark ``items`` done, stamped with the checkpoint ``step``; the items whose lease was lost."""

@@ -133,11 +133,7 @@ def driver_transaction(engine: Engine,
     or rollback: SQLite's writers' queue (``Dialect.writer_queue``)."""
     dialect = engine.dialect
     driver_error = dialect.loaded_dbapi.Error
-    try:
-        fairy = engine.raw_connection()
-    except driver_error as e:  # refused, server starting up, ...: as engine.connect() raises it
-        gone = dialect.is_disconnect(e, None, None)
-        raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+    fairy = _checkout(engine)
     conn: Any = fairy.dbapi_connection
     begin = dialect_of(engine).begin_write
     tx = pooling.DriverTx.of(fairy, conn)  # Postgres: BEGIN and the timeouts in one round trip
@@ -180,11 +176,7 @@ def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
     out as from ``driver_transaction``."""
     dialect = engine.dialect
     driver_error = dialect.loaded_dbapi.Error
-    try:
-        fairy = engine.raw_connection()
-    except driver_error as e:
-        gone = dialect.is_disconnect(e, None, None)
-        raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+    fairy = _checkout(engine)
     conn: Any = fairy.dbapi_connection
     per_tx = fairy.info.get(pooling.PER_TX)
     factory = None
@@ -211,3 +203,14 @@ def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
             except Exception:  # noqa: BLE001 - a broken connection: the pool discards it
                 pass
         fairy.close()
+
+
+def _checkout(engine: Engine) -> Any:
+    """A pooled connection (its pool proxy) for driver-level use; a driver error (refused, server
+    starting up, ...) comes out as SQLAlchemy's ``DBAPIError``, as ``engine.connect()`` raises it."""
+    driver_error = engine.dialect.loaded_dbapi.Error
+    try:
+        return engine.raw_connection()
+    except driver_error as e:
+        gone = engine.dialect.is_disconnect(e, None, None)
+        raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e

@@ -162,7 +162,6 @@ class EpochMaker:
             self._leaving.wait(max(MAKER_PAUSE_MIN, MAKER_PAUSE * (time.monotonic() - t)))
         return made_rows
 
-
     def _breathe(self) -> None:
         """Between two slices of the background shuffle: see ``SHUFFLE_WAIT``."""
         if self._leaving.is_set():

@@ -262,7 +262,7 @@ def _keyed(pairs: Sequence[tuple[int, int]]) -> Any:
     """The rows among ``(id, token)`` pairs, found by primary key. ``id IN`` too: SQLite plans a
     row-value ``(id, token) IN (...)`` of two or more pairs alone as a scan of every item of the
     queue, all epochs, holding the write lock (a worker's ``close()``, giving back what it
-    claimed ahead: 100-140 ms at 1,000,000 items; ``tests/test_sqlite_plans.py``)."""
+    claimed ahead: 100-140 ms at 1,000,000 items; ``tests/test_sqlite_write_turns.py``)."""
     return and_(items.c.id.in_([p[0] for p in pairs]), tuple_(items.c.id, items.c.token).in_(list(pairs)))
 
 
