@@ -16,7 +16,7 @@ from sqlalchemy import Connection
 
 from wq_sql import ops
 from wq_sql.db import Db
-from wq_sql.plan import epoch_order
+from wq_sql.plan import SHUFFLE_SLICE, epoch_order
 
 log = logging.getLogger("wq_sql")
 
@@ -130,9 +130,13 @@ class EpochMaker:
                         return made_rows  # another worker is making it
                     self._leaving.wait(0.05)  # an earlier epoch is being made: wait for it
                     continue
+                # An epoch of one shuffle slice is under a millisecond of Python: no pauses (a pause
+                # waits up to SHUFFLE_WAIT, time in which a small epoch's workers drained the
+                # current epoch and a take(timeout=0) found the next one not made yet).
+                breathe = self._breathe if background and o.items_per_epoch > SHUFFLE_SLICE else None
                 try:
                     order: Sequence[int] = epoch_order(o.items_per_epoch, have, o.shuffle, o.seed,
-                                                       breathe=self._breathe if background else None)
+                                                       breathe=breathe)
                 except _Leaving:
                     return made_rows
                 self._making = (have, order)
