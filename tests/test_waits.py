@@ -159,3 +159,35 @@ def test_a_waiting_take_whose_poll_sees_the_end_ends_there(db_url: str,
     finally:
         waiter.close()
         holder.close()
+
+
+def test_take_without_wait_waits_for_an_epoch_being_made(db_url: str) -> None:
+    """``take(timeout=0)`` says "others hold the rest" (QueueEmpty) only when they do. While the
+    next epoch is due but another worker's maker holds its lock (here: a transaction on the
+    queue row that then ends without making a row, as a maker that died would), the take waits,
+    then makes the epoch itself. Before, it raised QueueEmpty, and the PyTorch shim's pass end
+    (``take_many(timeout=0)``) ended an ``epochs='all'`` pass an epoch early."""
+    first = WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="first", lease_ahead=2)
+    assert first.take_many(2) == ["a", "b"]
+    first.close()  # epoch 0 done: the queue is finished ...
+    waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.2)
+    waiter.extend_epochs(2)  # ... until a second epoch is due, not made
+    engine = sa.create_engine(resolve_url(db_url), poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")  # the maker's write transaction
+            conn.execute(sa.text("SELECT id FROM wq_queues WHERE name = 'q' FOR NO KEY UPDATE")
+                         if conn.dialect.name == "postgresql" else sa.text("SELECT 1"))
+            thread, out = take_in_thread(waiter, timeout=0)
+            thread.join(1.0)
+            assert thread.is_alive(), f"take(timeout=0) ended while the epoch was being made: {out}"
+            conn.rollback()  # the maker is gone, its lock with it
+        thread.join(20)
+        assert out.get("item") == "a", out
+        assert waiter.take_many(1, timeout=0) == ["b"]
+        with pytest.raises(QueueExhausted):
+            waiter.take(timeout=0)
+    finally:
+        engine.dispose()
+        waiter.close()

@@ -162,12 +162,16 @@ class Dispenser:
                         rings = self.rings
                         break  # poll now
                     now = time.monotonic()
-                    if (deadline is not None and now >= deadline) or (stop is not None and stop()):
+                    late = (deadline is not None and now >= deadline) or (stop is not None and stop())
+                    # An epoch that is due but not made yet (another worker's maker holds its
+                    # lock) is not "others hold the rest": its rows come within a chunk's time.
+                    if late and not self.epoch_due():
                         raise QueueEmpty(f"no item of queue {self.rules.name!r} is claimable now; "
                                          "other workers still hold the remaining ones")
                     if now >= next_poll:
                         break
-                    self.changed.wait(min(next_poll, deadline if deadline is not None else next_poll) - now)
+                    until = next_poll if late or deadline is None else min(next_poll, deadline)
+                    self.changed.wait(until - now)
             pause = min(pause * 2, cap)
             peek = db.tx(lambda c: ops.peek(c, db.dialect, self.qid, self.member.worker_id), read=True)
             if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
@@ -178,8 +182,14 @@ class Dispenser:
                     or peek.epochs_created != self.epochs.created):
                 return
             polls += 1
+            if polls >= ORPHAN_POLLS and self.epoch_due():
+                return  # its maker may have died holding its lock: _fill() makes a chunk itself
             if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
                 return
+
+    def epoch_due(self) -> bool:
+        """After a round that found nothing: the next epoch's rows are still to be made."""
+        return self.epochs.created < self.extent.num_epochs
 
     def _listen(self) -> None:
         """Subscribe to this queue's rings (once per process; see :meth:`heard`)."""

@@ -264,7 +264,9 @@ class WorkQueue:
         Taking an item marks the items this queue object handed out before as done (unless
         ``auto_complete=False``). While nothing is claimable but live workers still hold items,
         waits (they may die and their items come back); ``timeout`` bounds that wait, after which
-        :class:`QueueEmpty` is raised (``timeout=0``: never wait)."""
+        :class:`QueueEmpty` is raised (``timeout=0``: never wait). Only then: while the next
+        epoch is due but its first rows are not made yet (another worker is making them), the
+        take waits for them whatever ``timeout`` says."""
         return self.take_many(1, timeout)[0]
 
     def take_many(self, n: int, timeout: Optional[float] = None, *, claim: Optional[int] = None,
