@@ -18,13 +18,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, ops
+from wq_sql import QueueEmpty, QueueExhausted, WorkQueue
 from wq_sql.claim import ClaimRound
 from wq_sql.engine import resolve_url
+from wq_sql.look import Look
 
 
 class PollBarrier:
-    """Wraps ``ops.peek`` (what a waiting take polls): records that a poll began and, once
+    """Wraps ``Look.poll`` (what a waiting take polls): records that a poll began and, once
     armed, holds the next poll until released, so a test can act between a take's claim and its
     poll."""
 
@@ -32,15 +33,15 @@ class PollBarrier:
         self.polling = threading.Event()
         self.armed = threading.Event()
         self.release = threading.Event()
-        real = ops.peek
+        real = Look.poll
 
-        def peek(*args: Any, **kwargs: Any) -> Any:
+        def poll(*args: Any, **kwargs: Any) -> Any:
             self.polling.set()
             if self.armed.is_set():
                 assert self.release.wait(30), "the test never released the poll"
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(ops, "peek", peek)
+        monkeypatch.setattr(Look, "poll", poll)
 
 
 def take_in_thread(wq: WorkQueue, timeout: float) -> tuple[threading.Thread, dict[str, Any]]:
@@ -191,3 +192,36 @@ def test_take_without_wait_waits_for_an_epoch_being_made(db_url: str) -> None:
     finally:
         engine.dispose()
         waiter.close()
+
+
+def test_the_look_reads_what_the_tables_say(db_url: str) -> None:
+    """The read after an empty round and a waiting take's poll (``look.Look``, driver-level SQL
+    on both backends): each of its figures against the tables' own rows."""
+    w = WorkQueue(["a", "b", "c", "d"], shuffle=False, name="q", url=db_url, worker="w", lease_ahead=1,
+                  auto_complete=False, max_attempts=1)
+    other = WorkQueue.attach("q", url=db_url, worker="other", lease_ahead=1, auto_complete=False)
+    try:
+        first = w._d._look()
+        figures = (first.pending, first.expired, first.finished, first.failed, first.mine)
+        assert figures == (True, False, 0, 0, 0)
+        assert (first.epochs_created, first.num_epochs) == (1, 1)
+        w.complete(w.take())    # a: done
+        w.fail(w.take())        # b: failed for good (max_attempts=1)
+        assert w.take() == "c"  # held by w
+        assert other.take() == "d"
+        engine = sa.create_engine(resolve_url(db_url), poolclass=NullPool)
+        try:
+            with engine.begin() as conn:  # d's lease ran out
+                conn.execute(sa.text("UPDATE wq_items SET lease_until = :t WHERE state = 'claimed' "
+                                     "AND worker_id = :w"),
+                             {"t": "2000-01-01 00:00:00.000000", "w": other.worker_id})
+        finally:
+            engine.dispose()
+        got = w._d._look()
+        assert (got.pending, got.expired, got.finished, got.failed, got.mine) == (False, True, 2, 1, 1), got
+        assert other._d._look(poll=True).mine == 1
+        w.extend_epochs(3)
+        assert w._d._look().num_epochs == 3
+    finally:
+        other.close()
+        w.close()

@@ -28,7 +28,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from wq_sql.dialects import LOST, dialect_of
-from wq_sql.engine import driver_statement, driver_transaction, open_error, safe_url
+from wq_sql.engine import driver_read, driver_statement, driver_transaction, open_error, safe_url
 from wq_sql.errors import DatabaseBusy, DatabaseUnavailable
 
 log = logging.getLogger("wq_sql")
@@ -127,6 +127,15 @@ class Db:
 
         def once() -> T:
             with self._gate, driver_statement(self.engine) as (conn, prefix), self._write_turn():
+                return fn(conn, prefix)
+        return self.retrying(once)
+
+    def driver_read(self, fn: Callable[[Any, str], T]) -> T:
+        """Run ``fn(conn, prefix)``, one read-only statement on a driver connection
+        (``engine.driver_read``: on Postgres one simple query that sends ``prefix`` first),
+        retried like :meth:`tx`."""
+        def once() -> T:
+            with self._gate, driver_read(self.engine) as (conn, prefix):
                 return fn(conn, prefix)
         return self.retrying(once)
 

@@ -174,26 +174,15 @@ def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
     ``driver_transaction`` takes three (``BEGIN``, the statement, ``COMMIT``), and a
     transaction pooler holds the server connection only for the server's own time. Errors come
     out as from ``driver_transaction``."""
-    dialect = engine.dialect
-    driver_error = dialect.loaded_dbapi.Error
     fairy = _checkout(engine)
     conn: Any = fairy.dbapi_connection
     per_tx = fairy.info.get(pooling.PER_TX)
     factory = None
     try:
-        try:
+        with _driver_errors(engine, fairy, conn):
             conn.autocommit = True  # a connection the server closed meanwhile fails here
             factory = pooling.client_binding(conn)
             yield conn, f"{per_tx}; " if per_tx else ""
-        except driver_error as e:
-            gone = dialect.is_disconnect(e, conn, None)
-            if gone:
-                fairy.invalidate(e)
-            raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
-        except DBAPIError as e:
-            if e.connection_invalidated:
-                fairy.invalidate(e)
-            raise
     finally:
         if not getattr(conn, "closed", False):
             try:
@@ -203,6 +192,44 @@ def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
             except Exception:  # noqa: BLE001 - a broken connection: the pool discards it
                 pass
         fairy.close()
+
+
+@contextmanager
+def driver_read(engine: Engine) -> Iterator[tuple[Any, str]]:
+    """For ONE read-only statement through the driver (``look.Look``): on Postgres
+    :func:`driver_statement`; on SQLite a pooled connection as it is, in autocommit mode
+    (``isolation_level = None``), where a lone ``SELECT`` is its own read transaction and takes
+    no write lock. Yields the connection and the text to put first in the query (Postgres'
+    timeouts, else ``""``); errors come out as from ``driver_transaction``."""
+    if engine.dialect.name != "sqlite":
+        with driver_statement(engine) as got:
+            yield got
+        return
+    fairy = _checkout(engine)
+    try:
+        with _driver_errors(engine, fairy, fairy.dbapi_connection):
+            yield fairy.dbapi_connection, ""
+    finally:
+        fairy.close()
+
+
+@contextmanager
+def _driver_errors(engine: Engine, fairy: Any, conn: Any) -> Iterator[None]:
+    """Driver errors out as SQLAlchemy's ``DBAPIError``, the connection dropped from the pool
+    (``connection_invalidated``) when it is gone."""
+    dialect = engine.dialect
+    driver_error = dialect.loaded_dbapi.Error
+    try:
+        yield
+    except driver_error as e:
+        gone = dialect.is_disconnect(e, conn, None)
+        if gone:
+            fairy.invalidate(e)
+        raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+    except DBAPIError as e:
+        if e.connection_invalidated:
+            fairy.invalidate(e)
+        raise
 
 
 def _checkout(engine: Engine) -> Any:

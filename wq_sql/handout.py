@@ -24,6 +24,7 @@ from wq_sql.epochs import EpochMaker
 from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
 from wq_sql.holdings import Holdings, WorkItem
 from wq_sql.lease import Member
+from wq_sql.look import Look, Peek
 from wq_sql.pacer import Pace, Refiller, Sizer
 from wq_sql.weak import weak_method
 
@@ -61,10 +62,10 @@ class Dispenser:
     """See the module docstring. ``book`` is shared with the owner, which reads and changes it
     only while holding :attr:`lock`; ``member`` is replaced after a fork re-registers."""
 
-    def __init__(self, db: Db, qid: int, member: Member, book: Holdings, round_: ClaimRound,
+    def __init__(self, db: Db, qid: int, member: Member, book: Holdings, round_: ClaimRound, look: Look,
                  epochs: EpochMaker, extent: Extent, rules: Rules) -> None:
         self.db, self.qid, self.member, self.book = db, qid, member, book
-        self.round, self.epochs, self.extent, self.rules = round_, epochs, extent, rules
+        self.round, self.look, self.epochs, self.extent, self.rules = round_, look, epochs, extent, rules
         self.lock = threading.RLock()
         # Notified when the buffer gets items or something in this process may have made an item
         # claimable (``news`` counts those): a waiting take() wakes at once (see wait()).
@@ -173,7 +174,7 @@ class Dispenser:
                     until = next_poll if late or deadline is None else min(next_poll, deadline)
                     self.changed.wait(until - now)
             pause = min(pause * 2, cap)
-            peek = db.tx(lambda c: ops.peek(c, db.dialect, self.qid, self.member.worker_id), read=True)
+            peek = self._look(poll=True)
             if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
                 # The end, as _fill() would find it, without its claim round and read: at the end
                 # of a drain every waiting worker gets here at once (bench/cluster_scale.py tail).
@@ -186,6 +187,13 @@ class Dispenser:
                 return  # its maker may have died holding its lock: _fill() makes a chunk itself
             if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
                 return
+
+    def _look(self, *, poll: bool = False) -> Peek:
+        """One read of the queue's state (``look.Look``): a waiting take's poll, or the read
+        after a claim round that found nothing or acknowledgements that may have been the last."""
+        qid, worker_id = self.qid, self.member.worker_id
+        run = self.look.poll if poll else self.look.read
+        return self.db.driver_read(lambda conn, prefix: run(conn, prefix, qid, worker_id))
 
     def epoch_due(self) -> bool:
         """After a round that found nothing: the next epoch's rows are still to be made."""
@@ -316,8 +324,7 @@ class Dispenser:
         other processes must hear (one read, only then)."""
         if not (self.drained or always):
             return
-        done, failed = self.db.tx(lambda c: ops.progress(c, self.qid), read=True)
-        if done + failed >= self.extent.total:
+        if self._look().finished >= self.extent.total:
             self.ring()
 
     def _claim(self, acks: list[WorkItem], limit: int) -> int:
@@ -373,7 +380,7 @@ class Dispenser:
         # whether any lease ran out. Only then a write transaction returns expired items: at
         # the end of a drain every worker gets here once, and an expiry sweep that finds
         # nothing took SQLite's writers' queue as often (bench/long_tail.py).
-        peek = db.tx(lambda c: ops.after_empty_round(c, db.dialect, qid, self.member.worker_id), read=True)
+        peek = self._look()
         if peek.num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
             self.extent.num_epochs = peek.num_epochs
             self._rang_end = False

@@ -583,51 +583,6 @@ def progress(conn: Connection, qid: int) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-@dataclass(frozen=True)
-class Peek:
-    """One poll of a waiting worker: whether an item is pending, whether a lease has expired, how
-    many items are finished (done or failed) and failed, how many epochs have rows and how many
-    the queue has, how many items this worker holds."""
-
-    pending: bool
-    expired: bool
-    finished: int
-    epochs_created: int
-    mine: int
-    failed: int = 0
-    num_epochs: int = 0
-
-
-def peek(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
-    """What a waiting worker polls, read-only (no write lock on SQLite): index probes only
-    (pending and claimed rows have partial indexes; the counters are a handful of rows)."""
-    return _look(conn, b, qid, worker_id)
-
-
-def after_empty_round(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
-    """What ``take()`` reads when its claim round found nothing: the poll's statement (the end,
-    more epochs, expired leases), read before it waits."""
-    return _look(conn, b, qid, worker_id)
-
-
-def _look(conn: Connection, b: Dialect, qid: int, worker_id: int) -> Peek:
-    pending = select(items.c.id).where(items.c.queue_id == qid, items.c.state == PENDING).limit(1)
-    expired = select(items.c.id).where(items.c.queue_id == qid, items.c.state == CLAIMED,
-                                       items.c.lease_until < b.now()).limit(1)
-    mine = (select(func.count()).select_from(items)
-            .where(items.c.queue_id == qid, items.c.worker_id == worker_id, items.c.state == CLAIMED)
-            .scalar_subquery())
-    finished = (select(func.coalesce(func.sum(tallies.c.n_done + tallies.c.n_failed), 0))
-                .where(tallies.c.queue_id == qid).scalar_subquery())
-    failed = (select(func.coalesce(func.sum(tallies.c.n_failed), 0))
-              .where(tallies.c.queue_id == qid).scalar_subquery())
-    created = select(queues.c.epochs_created).where(queues.c.id == qid).scalar_subquery()
-    num_epochs = select(queues.c.num_epochs).where(queues.c.id == qid).scalar_subquery()
-    row = conn.execute(select(pending.exists(), expired.exists(), finished, created, mine, failed,
-                              num_epochs)).one()
-    return Peek(bool(row[0]), bool(row[1]), int(row[2]), int(row[3]), int(row[4]), int(row[5]), int(row[6]))
-
-
 def held_by(conn: Connection, qid: int, worker_id: int) -> list[Claimed]:
     """The items ``worker_id`` holds (claimed), in hand-out order."""
     rows = conn.execute(select(items.c.id, items.c.epoch, items.c.seq, items.c.work_idx, items.c.token,

@@ -29,6 +29,7 @@ from wq_sql.holdings import Holdings, WorkItem
 from wq_sql.identity import check_worker_name, default_worker_name
 from wq_sql.join import open_queue
 from wq_sql.lease import Heartbeat, Terms, register
+from wq_sql.look import Look
 from wq_sql.migrate import ensure_schema
 from wq_sql.pacer import AUTO_MAX
 from wq_sql.plan import (
@@ -170,7 +171,7 @@ class WorkQueue:
                           o.auto_complete, o.claim_ahead)
             self._d = Dispenser(db, self._qid, member, Holdings(self.prefix),
                                 ClaimRound(db.dialect, o.lease_ahead or AUTO_MAX, o.lease_seconds, schema),
-                                epochs, self._extent, rules)
+                                Look(db.dialect, schema), epochs, self._extent, rules)
             self._endings = Endings(db, self._qid, self._d, schema)
             self._start(recovered)
             registry.add(self, self._d.fresh_locks)

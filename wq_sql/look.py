@@ -1,0 +1,85 @@
+"""What a worker reads when its claim round found nothing: one read-only statement, as
+driver-level SQL.
+
+A take that found nothing claimable reads the queue's counters, epochs and expired leases once
+(:meth:`Look.read`) and then, while it waits, polls the same statement
+(:meth:`Look.poll`). Both come at the end of every drain, from every worker at once, so they
+are the end's critical path (``bench/long_tail.py``) and, with thousands of waiting workers, the
+database's load (``bench/cluster_scale.py``). Through SQLAlchemy the statement cost 2-3 ms of
+CPU per call here and 5 ms more to compile it on first use in a process, which is at the end of
+the drain for the worker that never waited; as one driver-level text it is a round trip (one
+simple query in autocommit mode on Postgres, ``engine.driver_read``). The states are literals,
+so SQLite's planner can use the partial indexes (it cannot with a bound parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from wq_sql.dialects import SQLITE_NOW, Dialect
+from wq_sql.pooling import last_rows
+from wq_sql.states import CLAIMED, PENDING
+
+
+@dataclass(frozen=True)
+class Peek:
+    """One poll of a waiting worker: whether an item is pending, whether a lease has expired, how
+    many items are finished (done or failed) and failed, how many epochs have rows and how many
+    the queue has, how many items this worker holds."""
+
+    pending: bool
+    expired: bool
+    finished: int
+    epochs_created: int
+    mine: int
+    failed: int = 0
+    num_epochs: int = 0
+
+
+class Look:
+    """The statement, built once per queue object for its dialect and schema (as
+    ``claim.ClaimRound``); run on a driver connection (``Db.driver_read``)."""
+
+    def __init__(self, b: Dialect, schema: Optional[str] = None) -> None:
+        p = f'"{schema}".' if schema else ""
+        now, mark = (SQLITE_NOW, "?") if b.is_sqlite else ("clock_timestamp()", "%s")
+        # Index probes only: pending and claimed rows have partial indexes; the tallies are a
+        # row per (epoch, worker). Parameters, in order: the queue id three times, the worker
+        # id, the queue id twice.
+        self._sql = (
+            f"SELECT EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{PENDING}'), "
+            f"EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{CLAIMED}' "
+            f"AND lease_until < {now}), "
+            f"(SELECT count(*) FROM {p}wq_items WHERE queue_id = {mark} AND worker_id = {mark} "
+            f"AND state = '{CLAIMED}'), "
+            "t.finished, t.failed, q.epochs_created, q.num_epochs "
+            f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
+            f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
+            f"WHERE q.id = {mark}")
+
+    def poll(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
+        """What a waiting take polls."""
+        return self._run(conn, prefix, qid, worker_id)
+
+    def read(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
+        """What ``take()`` reads when its claim round found nothing (the end, more epochs,
+        expired leases), before it waits, and after acknowledgements that may have been the
+        last ones. The poll's statement, under its own name so that a test can hold the polls
+        of a waiting take without holding this read."""
+        return self._run(conn, prefix, qid, worker_id)
+
+    def _run(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
+        params = (qid, qid, qid, worker_id, qid, qid)
+        cur = conn.cursor()
+        try:
+            cur.execute(prefix + self._sql, params)
+            rows = last_rows(cur)  # psycopg 3 keeps the prefix's result first
+        finally:
+            cur.close()
+        row = rows[0] if rows else None
+        if row is None:
+            raise LookupError(f"queue id {qid} is gone (deleted while this worker waited)")
+        pending, expired, mine, finished, failed, created, num_epochs = row
+        return Peek(bool(pending), bool(expired), int(finished), int(created), int(mine), int(failed),
+                    int(num_epochs))
