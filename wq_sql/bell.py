@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 from sqlalchemy import Engine, text
 
 from wq_sql.dialects import sqlite_file
-from wq_sql.engine import make_engine, resolve_url, safe_url
+from wq_sql.engine import driver_statement, make_engine, resolve_url, safe_url
 
 log = logging.getLogger("wq_sql")
 
@@ -72,8 +72,12 @@ def ring(engine: Engine, qid: int) -> None:
             if path is not None:  # a file: an in-memory database has no other process
                 _SocketBell.send(path, payload)
         else:
-            with engine.connect() as conn, conn.begin():
-                conn.execute(text("SELECT pg_notify(:c, :p)"), {"c": CHANNEL, "p": payload})
+            with driver_statement(engine) as (conn, prefix):  # one round trip, no compile
+                cur = conn.cursor()
+                try:
+                    cur.execute(prefix + "SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+                finally:
+                    cur.close()
     except Exception as e:  # noqa: BLE001 - never let a wake-up fail the change it follows
         log.debug("ring for queue %s not sent: %s", qid, e)
     _local(engine, payload)

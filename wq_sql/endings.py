@@ -174,6 +174,9 @@ class Endings:
                 accepted = db.tx(lambda c: ops.leave(
                     c, db.dialect, self.qid, wid, inc, done=acks, give_back=back,
                     failing=[i.key for i in failing], error=error, max_attempts=d.rules.max_attempts))
+            elif not acks:  # the usual close(): the last round acknowledged everything
+                db.driver_round(lambda conn, prefix: self.leaving.run(conn, self.qid, wid, inc, back, prefix))
+                accepted = set()
             else:
                 accepted = db.driver_tx(leave)
                 missing = [k for k in acks if k[0] not in accepted]

@@ -62,19 +62,22 @@ UPDATE {p}wq_workers SET heartbeat_at = NULL WHERE id = %(w)s AND incarnation = 
 """
 
     def run(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-            give_back: Sequence[tuple[int, int]]) -> None:
+            give_back: Sequence[tuple[int, int]], prefix: str = "") -> None:
         """Give back the claimed items among ``give_back`` ``(id, token)`` pairs (no attempt
-        counted; a lost lease is skipped) and mark the worker ``incarnation`` closed."""
-        self._run(conn, qid, worker_id, incarnation, give_back)
+        counted; a lost lease is skipped) and mark the worker ``incarnation`` closed. On
+        Postgres ``prefix`` goes first in the query (``Db.driver_round``: then the query is its
+        own transaction, one round trip)."""
+        self._run(conn, qid, worker_id, incarnation, give_back, prefix)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-                      give_back: Sequence[tuple[int, int]]) -> None:
+                      give_back: Sequence[tuple[int, int]], prefix: str) -> None:
         with conn.cursor() as cur:
-            cur.execute(self._sql, {"q": qid, "w": worker_id, "inc": incarnation,
-                                    "ids": [k[0] for k in give_back], "tokens": [k[1] for k in give_back]})
+            cur.execute(prefix + self._sql, {"q": qid, "w": worker_id, "inc": incarnation,
+                                             "ids": [k[0] for k in give_back],
+                                             "tokens": [k[1] for k in give_back]})
 
     def _run_sqlite(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-                    give_back: Sequence[tuple[int, int]]) -> None:
+                    give_back: Sequence[tuple[int, int]], prefix: str = "") -> None:
         params: tuple[Any, ...]
         cur = conn.cursor()
         sql, params = "", ()  # for the error message
