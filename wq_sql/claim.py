@@ -3,8 +3,10 @@
 A round acknowledges the items finished since the last round and claims up to ``n`` new ones,
 with the acks' history rows and counters and the claims' work strings. A claim writes no history
 row: a delivery's one row is written when it ends (here, the ``done`` of an ack), carrying its
-``claimed_at`` and attempt; a delivery in flight is its item row. The Postgres and SQLite texts
-sit side by side here (``tests/test_claim_texts.py`` checks that they agree); the claim statement and why each
+``claimed_at`` and attempt; a delivery in flight is its item row. SQLite's texts are here;
+Postgres' round is the server-side function ``wq_claim_round()``, whose text is frozen in its
+migration (``migrations/versions/0007_claim_round_function.py``) and which is called from here
+(``tests/test_claim_texts.py`` checks that both backends agree); the claim statement and why each
 backend's form is safe are described in ``ops``' module docstring and ``docs/design.md``.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, Optional
 
 from sqlalchemy.exc import DBAPIError
@@ -27,11 +30,13 @@ class ClaimRound:
     items finished since the last round and claim up to ``n`` new ones, with the acks' history
     rows, counters and the claims' work strings. Built once per queue object as driver-level SQL.
 
-    Postgres runs it as ONE statement (data-modifying CTEs; the claim CTE is the one described in
-    the module docstring, starting at a floor: see ``_floor``), sent in one simple query with the
-    transaction's timeouts and committed by the server at its end: one round trip
-    (``engine.driver_statement``). SQLite runs the same steps as separate statements inside the
-    ``BEGIN IMMEDIATE`` transaction: statements are in-process calls there, not network trips."""
+    Postgres runs it as ONE call of the server-side function ``wq_claim_round()`` (migration
+    0007: the acks with their history rows and counters, then the claim starting at a floor, see
+    ``_floor``), sent in one simple query with the transaction's timeouts and committed by the
+    server at its end: one round trip (``engine.driver_statement``), and no planning of its
+    statements after a server connection's first round. SQLite runs the same steps as separate
+    statements inside the ``BEGIN IMMEDIATE`` transaction: statements are in-process calls there,
+    not network trips."""
 
     FULL_SCAN_EVERY = 64  # rounds; see _floor
 
@@ -41,16 +46,17 @@ class ClaimRound:
         # leave dead entries in the pending index until VACUUM, all at its low end (claims go in
         # order), and a scan from the start steps over every one of them: at 90% of a 300k drain,
         # a thousand index pages per claim. So the claim starts at the floor (one index descent),
-        # and looks below it (CTE ``below``, in the same statement) when that finds too few rows,
+        # and looks below it (in the same round) when that finds too few rows,
         # and from the start every FULL_SCAN_EVERY rounds: that is how items that went back to the
-        # queue below the floor are found. ``below`` runs no scan when the floor found enough (a
-        # LIMIT of 0 never starts its input).
+        # queue below the floor are found; no scan below when the floor found enough.
         self._floor: Optional[tuple[int, int]] = None
         self._rounds = 0
         p = f'"{schema}".' if schema else ""
         # The one place this module names its dialect: which texts, and which runner of them.
         self._run = self._run_sqlite if b.is_sqlite else self._run_postgres
         if b.is_sqlite:
+            self._made: dict[tuple[str, int], str] = {}  # see _texts
+            self._later = f"+{self.lease!r} seconds"  # the lease, as SQLite's date modifier
             # Completed as one statement per round: (id, token) pairs as a VALUES list.
             self._ack = (
                 f"UPDATE wq_items SET state = '{DONE}', done_at = {SQLITE_NOW}, lease_until = NULL "
@@ -77,50 +83,12 @@ class ClaimRound:
                 "(SELECT work FROM wq_works w WHERE w.queue_id = wq_items.queue_id "
                 "AND w.idx = wq_items.work_idx)")
             return
-        events = (f"{p}wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at, "
-                  "claimed_at, attempt)")
-        # The acks are found by primary key, one index descent per (id, token) pair of the
-        # unnested arrays (the former "id = ANY(ids) AND (id, token) IN (SELECT * FROM unnest(...))"
-        # rescanned the pairs for every row: n^2 / 2 comparisons per round). "state || ''" keeps
-        # the planner off the partial index of claimed rows, which it would otherwise pick from
-        # the table's statistics (few claimed rows) although the index holds a dead entry for
-        # every claim since the last VACUUM: a bitmap scan of 21k entries per round (0.9 ms of a
-        # 1.8 ms round) after 21k claims, growing with the drain.
-        self._sql = f"""
-WITH acked AS (
-    UPDATE {p}wq_items i SET state = '{DONE}', done_at = clock_timestamp(), lease_until = NULL
-    FROM unnest(%(ack_ids)s::bigint[], %(ack_tokens)s::bigint[]) AS a(id, token)
-    WHERE i.id = a.id AND i.token = a.token AND i.state || '' = '{CLAIMED}'
-    RETURNING i.id, i.epoch, i.seq, i.token, i.done_at, i.claimed_at, i.attempts
-), acked_events AS (
-    INSERT INTO {events}
-    SELECT %(q)s, id, epoch, seq, '{EV_DONE}', %(w)s, token, done_at, claimed_at, attempts FROM acked
-), acked_tally AS (
-    INSERT INTO {p}wq_tallies AS t (queue_id, epoch, worker_id, n_done)
-    SELECT %(q)s, epoch, %(w)s, count(*) FROM acked GROUP BY epoch
-    ON CONFLICT (queue_id, epoch, worker_id) DO UPDATE SET n_done = t.n_done + excluded.n_done
-), c AS MATERIALIZED (
-    SELECT id FROM {p}wq_items
-    WHERE queue_id = %(q)s AND state = '{PENDING}' AND (epoch, seq) >= (%(fe)s, %(fs)s)
-    ORDER BY epoch, seq LIMIT %(lim)s
-    FOR UPDATE SKIP LOCKED
-), below AS MATERIALIZED (
-    SELECT id FROM {p}wq_items
-    WHERE queue_id = %(q)s AND state = '{PENDING}' AND (epoch, seq) < (%(fe)s, %(fs)s)
-    ORDER BY epoch, seq LIMIT greatest(0, %(lim)s - (SELECT count(*) FROM c))
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE {p}wq_items i SET state = '{CLAIMED}', worker_id = %(w)s, token = %(t)s,
-        claimed_at = clock_timestamp(), lease_until = clock_timestamp() + %(lease)s * interval '1 second',
-        done_at = NULL
-    FROM (SELECT id FROM c UNION ALL SELECT id FROM below) n WHERE i.id = n.id
-    RETURNING i.id, i.epoch, i.seq, i.work_idx, i.attempts
-)
-SELECT 'c' AS k, cl.id, cl.epoch, cl.seq, cl.work_idx, cl.attempts, w.work
-FROM claimed cl JOIN {p}wq_works w ON w.queue_id = %(q)s AND w.idx = cl.work_idx
-UNION ALL
-SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
-"""
+        # The round is the server-side function wq_claim_round() (migration 0007; its text and
+        # why it is a function are there): its statements' plans are cached per server
+        # connection, where this statement as a simple query was planned afresh at every round.
+        # Rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked.
+        self._sql = (f"SELECT * FROM {p}wq_claim_round(%(q)s, %(w)s, %(t)s, %(lease)s, %(fe)s, "
+                     "%(fs)s, %(lim)s, %(ack_ids)s::bigint[], %(ack_tokens)s::bigint[])")
 
     def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
             limit: Optional[int] = None, prefix: str = "") -> tuple[set[int], list[Claimed], dict[int, str]]:
@@ -162,8 +130,8 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
             done: list[Any] = []
             for k in range(0, len(acks), _SQLITE_ACK_CHUNK):
                 chunk = acks[k:k + _SQLITE_ACK_CHUNK]
-                sql = self._ack.format(pairs=", ".join(["(?, ?)"] * len(chunk)))
-                params = tuple(x for a in chunk for x in a)
+                sql = self._texts(self._ack, "pairs", "(?, ?)", len(chunk))
+                params = tuple(chain.from_iterable(chunk))
                 done += cur.execute(sql, params).fetchall()  # (id, epoch, seq, token)
             per_epoch: dict[int, int] = {}
             for r in done:
@@ -171,13 +139,13 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
             sql = self._tally
             for epoch, k in per_epoch.items():
                 cur.execute(sql, (qid, epoch, worker_id, k))
-            sql, params = self._claim, (qid, n, worker_id, token, f"+{self.lease!r} seconds")
+            sql, params = self._claim, (qid, n, worker_id, token, self._later)
             rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts, work)
             # done: (id, epoch, seq, token, done_at, claimed_at, attempts), one history row each
             for k in range(0, len(done), _SQLITE_EVENT_CHUNK):
                 batch = done[k:k + _SQLITE_EVENT_CHUNK]
-                sql = self._events.format(rows=", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(batch)))
-                params = (qid, worker_id, *(x for e in batch for x in e))
+                sql = self._texts(self._events, "rows", "(?, ?, ?, ?, ?, ?, ?)", len(batch))
+                params = (qid, worker_id, *chain.from_iterable(batch))
                 cur.execute(sql, params)
         except sqlite3.Error as e:
             raise DBAPIError.instance(sql, params, e, sqlite3.Error) from e
@@ -186,6 +154,17 @@ SELECT 'a', id, epoch, seq, 0, 0, NULL FROM acked
         claimed = sorted((Claimed(r[0], r[1], r[2], r[3], token, r[4]) for r in rows),
                          key=lambda c: (c.epoch, c.seq))
         return {r[0] for r in done}, claimed, {r[3]: r[5] for r in rows}
+
+    def _texts(self, template: str, slot: str, row: str, k: int) -> str:
+        """SQLite: ``template`` with ``k`` rows of placeholders, made once per (template, k):
+        a round of n items asks for the same few sizes again and again."""
+        key = (template, k)
+        sql = self._made.get(key)
+        if sql is None:
+            if len(self._made) >= 64:  # sizes change with the automatic lease_ahead: stay small
+                self._made.clear()
+            sql = self._made[key] = template.format(**{slot: ", ".join([row] * k)})
+        return sql
 
 
 # Rows per statement: SQLite allows 32766 parameters per statement.

@@ -144,7 +144,8 @@ def ensure_schema(engine: Engine, schema: Optional[str] = None) -> None:
                         f"not create it ({str(e.orig).strip().splitlines()[0]}). Have its owner create "
                         f"it once with: python -m wq_sql upgrade {_where(engine, schema)}  (or "
                         "wq_sql.upgrade(url)); workers then need only SELECT, INSERT, UPDATE, DELETE "
-                        "on its tables and USAGE on its sequences.") from e
+                        "on its tables, USAGE on its sequences and EXECUTE on its function wq_claim_round "
+                        "(Postgres grants that to every role unless revoked).") from e
                 return
     if rev != head:
         where = _where(engine, schema)

@@ -13,11 +13,14 @@ The claim is one statement on both backends::
     UPDATE wq_items SET state = 'claimed', worker_id = :w, token = :t, ...
     FROM c WHERE wq_items.id = c.id RETURNING ...
 
-Every filter sits inside the CTE, so at most ``n`` rows are updated. On Postgres, ``SKIP LOCKED``
-lets concurrent claimers pass each other's rows. SQLite has no row locks and renders no ``FOR
-UPDATE``; it is safe because every write transaction starts with ``BEGIN IMMEDIATE``, which takes
-the database's single write lock before the SELECT runs, so two claims never see the same pending
-row (the second one waits, then sees the first one's committed update).
+(On Postgres the hot path's claim round, the function ``wq_claim_round()`` of migration 0007,
+takes the same ids first, ``ARRAY(SELECT id ... FOR UPDATE SKIP LOCKED)``, then updates them by
+primary key.) Every filter sits inside the CTE, so at most ``n`` rows are updated. On Postgres,
+``SKIP LOCKED`` lets concurrent claimers pass each other's rows. SQLite has no row locks and
+renders no ``FOR UPDATE``; it is safe because every write transaction starts with ``BEGIN
+IMMEDIATE``, which takes the database's single write lock before the SELECT runs, so two claims
+never see the same pending row (the second one waits, then sees the first one's committed
+update).
 """
 
 from __future__ import annotations
