@@ -138,7 +138,8 @@ class Dispenser:
         answered by a poll at once. Polls are read-only probes (cheap for the database even with
         a thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
         the lock is not held during a poll, so other threads can complete items meanwhile."""
-        self._listen()
+        if not self._ends_now(deadline, stop):
+            self._listen()
         pause = 0.02
         with self.lock:
             news = self.news
@@ -186,6 +187,14 @@ class Dispenser:
                 return  # its maker may have died holding its lock: _fill() makes a chunk itself
             if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
                 return
+
+    def _ends_now(self, deadline: Optional[float], stop: Optional[Callable[[], bool]]) -> bool:
+        """Whether a wait would raise QueueEmpty at its first look (``timeout=0``, a ``stop``
+        already true): such a take hears no ring, so it subscribes to none. The bell costs a
+        listener thread, and on Postgres a connection of its own, which the pass end of a
+        ``wq_sql.torch`` DataLoader worker (``take_many(timeout=0)``) opened once per process."""
+        late = (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop())
+        return late and not self.epoch_due()
 
     def epoch_due(self) -> bool:
         """After a round that found nothing: the next epoch's rows are still to be made."""
