@@ -4,10 +4,12 @@ in the holder's name (``complete_handed``), fenced by the lease token; and the `
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import sqlalchemy as sa
 
-from wq_sql import InvalidInput, WorkQueue
+from wq_sql import InvalidInput, WorkItem, WorkQueue
 
 
 def states(url: str) -> dict[str, int]:
@@ -25,7 +27,11 @@ def test_hand_off_then_complete_handed(db_url: str) -> None:
     assert [str(i) for i in items] == ["a", "b", "c", "d"]
     loader.hand_off(items[:3])  # a, b, c went to the trainer; d was not read
     assert loader.still_held(items) == items  # all still claimed by the loader
-    lost = trainer.complete_handed({loader.worker_id: items[:2]})
+    # The trainer gets them from another process (wq_sql.torch pickles each batch's items).
+    sent = pickle.loads(pickle.dumps(items[:2]))
+    assert [(type(i), i, i.work, i.key, i.epoch, i.seq, i.attempts) for i in sent] == \
+        [(WorkItem, i, i.work, i.key, i.epoch, i.seq, i.attempts) for i in items[:2]]
+    lost = trainer.complete_handed({loader.worker_id: sent})
     assert lost == []
     assert loader.still_held(items) == items[2:]
     loader.close()  # gives d back, leaves c (handed off) claimed for the trainer

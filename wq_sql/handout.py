@@ -139,7 +139,12 @@ class Dispenser:
         answered by a poll at once. Polls are read-only probes (cheap for the database even with
         a thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
         the lock is not held during a poll, so other threads can complete items meanwhile."""
-        self._listen()
+        # A wait that raises QueueEmpty at its first look (``timeout=0``, a ``stop`` already
+        # true) hears no ring: it subscribes to none. The bell costs a listener thread, and on
+        # Postgres a connection of its own, which the pass end of a ``wq_sql.torch`` DataLoader
+        # worker (``take_many(timeout=0)``) opened once per process.
+        if not (_late(deadline, stop) and not self.epoch_due()):
+            self._listen()
         pause = 0.02
         with self.lock:
             news = self.news
@@ -163,7 +168,7 @@ class Dispenser:
                         rings = self.rings
                         break  # poll now
                     now = time.monotonic()
-                    late = (deadline is not None and now >= deadline) or (stop is not None and stop())
+                    late = _late(deadline, stop, now)
                     # An epoch that is due but not made yet (another worker's maker holds its
                     # lock) is not "others hold the rest": its rows come within a chunk's time.
                     if late and not self.epoch_due():
@@ -482,3 +487,9 @@ class Dispenser:
         forever here, where that thread does not exist."""
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
+
+
+def _late(deadline: Optional[float], stop: Optional[Callable[[], bool]], now: Optional[float] = None) -> bool:
+    """A wait's deadline passed, or its ``stop()`` is true."""
+    return ((deadline is not None and (time.monotonic() if now is None else now) >= deadline)
+            or (stop is not None and stop()))

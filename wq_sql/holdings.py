@@ -38,8 +38,19 @@ class WorkItem(str):
         return (self.item_id, self.token)
 
     def __reduce__(self) -> Any:
-        c = Claimed(self.item_id, self.epoch, self.seq, -1, self.token, self.attempts)
-        return (WorkItem, (str(self), self.work, c))
+        # Plain values: a Claimed (a dataclass) in the pickle made it ~5x dearer to load, and
+        # wq_sql.torch pickles every item a DataLoader worker hands to the trainer.
+        return (_work_item, (str(self), self.work, self.epoch, self.seq, self.item_id, self.token,
+                             self.attempts))
+
+
+def _work_item(value: str, work: str, epoch: int, seq: int, item_id: int, token: int,
+               attempts: int) -> WorkItem:
+    """A :class:`WorkItem` from its pickled values."""
+    item = str.__new__(WorkItem, value)
+    item.work, item.epoch, item.seq = work, epoch, seq
+    item.item_id, item.token, item.attempts = item_id, token, attempts
+    return item
 
 
 class Holdings:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 from sqlalchemy import (
     Connection,
@@ -46,7 +46,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
-from wq_sql.dialects import Dialect, dialect_of
+from wq_sql.dialects import SQLITE_NOW, Dialect, dialect_of
 from wq_sql.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
 from wq_sql.plan import PlannedItem, QueueSpec, epoch_order
 from wq_sql.states import (
@@ -462,23 +462,42 @@ def heartbeat_age(conn: Connection, b: Dialect, worker_id: int) -> Optional[floa
 def insert_worker(conn: Connection, b: Dialect, qid: int, name: str, incarnation: str, host: str,
                   pid: int, proc_start: Optional[int], beat_seconds: float,
                   run: Optional[tuple[str, int]] = None) -> Optional[int]:
-    run_id, restart = run or (None, None)
-    return conn.execute(
-        b.insert(workers).values(queue_id=qid, name=name, incarnation=incarnation, host=host, pid=pid,
-                                 proc_start=proc_start, started_at=b.now(), heartbeat_at=b.now(),
-                                 beat_seconds=beat_seconds, run_id=run_id, run_restart=restart)
-        .on_conflict_do_nothing(index_elements=["queue_id", "name"]).returning(workers.c.id)
-    ).scalar_one_or_none()
+    """The new worker row's id, or None if ``name`` exists (driver-level text: every worker
+    process registers once, see ``_text``)."""
+    row = conn.exec_driver_sql(_text(conn, _insert_worker_sql),
+                               _worker_values(incarnation, host, pid, proc_start, beat_seconds, run,
+                                              q=qid, name=name)).one_or_none()
+    return None if row is None else int(row[0])
 
 
 def take_over_worker(conn: Connection, b: Dialect, worker_id: int, incarnation: str, host: str,
                      pid: int, proc_start: Optional[int], beat_seconds: float,
                      run: Optional[tuple[str, int]] = None) -> None:
+    conn.exec_driver_sql(_text(conn, _take_over_sql),
+                         _worker_values(incarnation, host, pid, proc_start, beat_seconds, run, id=worker_id))
+
+
+def _worker_values(incarnation: str, host: str, pid: int, proc_start: Optional[int], beat_seconds: float,
+                   run: Optional[tuple[str, int]], **more: Any) -> dict[str, Any]:
     run_id, restart = run or (None, None)
-    conn.execute(update(workers).where(workers.c.id == worker_id).values(
-        incarnation=incarnation, host=host, pid=pid, proc_start=proc_start,
-        started_at=b.now(), heartbeat_at=b.now(), beat_seconds=beat_seconds, run_id=run_id,
-        run_restart=restart))
+    return {"inc": incarnation, "host": host, "pid": pid, "start": proc_start, "beat": float(beat_seconds),
+            "run": run_id, "restart": restart, **more}
+
+
+def _insert_worker_sql(sqlite: bool, p: str) -> str:
+    v, now = _binder(sqlite), SQLITE_NOW if sqlite else "clock_timestamp()"
+    return (f"INSERT INTO {p}wq_workers (queue_id, name, incarnation, host, pid, proc_start, started_at, "
+            f"heartbeat_at, beat_seconds, run_id, run_restart) VALUES ({v('q')}, {v('name')}, {v('inc')}, "
+            f"{v('host')}, {v('pid')}, {v('start')}, {now}, {now}, {v('beat')}, {v('run')}, {v('restart')}) "
+            "ON CONFLICT (queue_id, name) DO NOTHING RETURNING id")
+
+
+def _take_over_sql(sqlite: bool, p: str) -> str:
+    v, now = _binder(sqlite), SQLITE_NOW if sqlite else "clock_timestamp()"
+    return (f"UPDATE {p}wq_workers SET incarnation = {v('inc')}, host = {v('host')}, pid = {v('pid')}, "
+            f"proc_start = {v('start')}, started_at = {now}, heartbeat_at = {now}, "
+            f"beat_seconds = {v('beat')}, run_id = {v('run')}, run_restart = {v('restart')} "
+            f"WHERE id = {v('id')}")
 
 
 def supersede_run(conn: Connection, b: Dialect, qid: int, me: int, run: tuple[str, int],
@@ -555,6 +574,10 @@ def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_second
     """A restarted worker takes back the items its dead predecessor still held, before their lease
     expires (DeepRec's LocalWorkMgr replays restored works first). The crash counts as an attempt,
     so an item that kills its worker every time ends ``failed`` instead of looping."""
+    # Mostly the predecessor held nothing (it closed cleanly, as a wq_sql.torch DataLoader worker
+    # of the last pass did): one driver-level probe then, not the update (see ``_text``).
+    if conn.exec_driver_sql(_text(conn, _holds_sql), {"q": qid, "w": worker_id}).first() is None:
+        return []
     token = new_token()
     rows = conn.execute(
         update(items).where(items.c.queue_id == qid, items.c.worker_id == worker_id,
@@ -580,10 +603,44 @@ def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_second
 
 def progress(conn: Connection, qid: int) -> tuple[int, int]:
     """(done, failed) over all epochs, from the counters."""
-    row = conn.execute(select(func.coalesce(func.sum(tallies.c.n_done), 0),
-                              func.coalesce(func.sum(tallies.c.n_failed), 0))
-                       .where(tallies.c.queue_id == qid)).one()
+    row = conn.exec_driver_sql(_text(conn, _progress_sql), {"q": qid}).one()
     return int(row[0]), int(row[1])
+
+
+def _progress_sql(sqlite: bool, p: str) -> str:
+    q = _binder(sqlite)("q")
+    return (f"SELECT coalesce(sum(n_done), 0), coalesce(sum(n_failed), 0) FROM {p}wq_tallies "
+            f"WHERE queue_id = {q}")
+
+
+# What every worker process runs once (registering, the end of its take()s: the poll, the
+# counters) as driver-level texts, not Core statements: each engine has its own compiled cache,
+# so a Core statement is built and compiled afresh in every process, 3-10 ms of CPU each in a
+# DataLoader worker of wq_sql.torch, which opens a queue object per pass unless its workers are
+# persistent (bench/torch_phases.py). Texts by builder, dialect and schema; parameters by name
+# (``:q`` for sqlite3, ``%(q)s`` for psycopg2).
+_TEXTS: dict[tuple[Callable[[bool, str], str], bool, Optional[str]], str] = {}
+
+
+def _binder(sqlite: bool) -> Callable[[str], str]:
+    """A named parameter's marker in a driver-level text."""
+    return (lambda name: f":{name}") if sqlite else (lambda name: f"%({name})s")
+
+
+def _text(conn: Connection, build: Callable[[bool, str], str]) -> str:
+    sqlite = conn.dialect.name == "sqlite"
+    schema = (conn.get_execution_options().get("schema_translate_map") or {}).get(None)
+    key = (build, sqlite, schema)
+    sql = _TEXTS.get(key)
+    if sql is None:
+        sql = _TEXTS[key] = build(sqlite, f'"{schema}".' if schema else "")
+    return sql
+
+
+def _holds_sql(sqlite: bool, p: str) -> str:
+    v = _binder(sqlite)
+    return (f"SELECT 1 FROM {p}wq_items WHERE queue_id = {v('q')} AND worker_id = {v('w')} "
+            f"AND state = '{CLAIMED}' LIMIT 1")
 
 
 def held_by(conn: Connection, qid: int, worker_id: int) -> list[Claimed]:

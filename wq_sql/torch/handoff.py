@@ -114,6 +114,11 @@ class Handed:
     holder: int
     item: WorkItem
 
+    def __reduce__(self) -> Any:
+        # Positional, not a dataclass's default state dict: every batch carries its items from
+        # the worker process to the trainer (bench/torch_phases.py).
+        return (Handed, (self.holder, self.item))
+
 
 class Loader:
     """The loader side in one process (see the module docstring): one queue worker identity,
