@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, ops
+from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, lease, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.engine import resolve_url
 
@@ -191,3 +191,66 @@ def test_take_without_wait_waits_for_an_epoch_being_made(db_url: str) -> None:
     finally:
         engine.dispose()
         waiter.close()
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str) -> list[float]:
+    """Wraps ``obj.name``; returns the list of the times (monotonic) of its calls."""
+    calls: list[float] = []
+    real = getattr(obj, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_a_waiting_take_backs_off_after_a_burst_of_takes(db_url: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the doorbell (behind a pooler) a waiting take polls at its worker's own pace of
+    taking items, which ends a drain quickly; but only for a few of those intervals after its
+    last hand-out. A worker that took a few items in a burst (here six in a row; in the field,
+    items given back and claimed in quick rounds) polled every 20 ms for as long as the others
+    held items (bench/cluster_scale.py's idle workers: 40 polls/s from one worker)."""
+    monkeypatch.setenv("WQ_SQL_BELL", "0")
+    holder = WorkQueue([f"w{i}" for i in range(7)], shuffle=False, name="q", url=db_url, worker="holder",
+                       auto_complete=False)
+    assert holder.take() == "w0"  # held throughout: the waiter's take finds nothing and waits
+    waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.25)
+    try:
+        assert [waiter.take() for _ in range(6)] == [f"w{i}" for i in range(1, 7)]
+        peeks = _counting(monkeypatch, ops, "peek")
+        t = time.monotonic()
+        with pytest.raises(QueueEmpty):
+            waiter.take(timeout=3.0)
+        seconds = time.monotonic() - t
+        # The back-off from 20 ms to poll_seconds takes about 5 polls, the paced ones 1-3 more.
+        assert len(peeks) <= seconds / 0.25 + 10, f"{len(peeks)} polls in {seconds:.1f} s"
+    finally:
+        waiter.close()
+        holder.close()
+
+
+def test_a_waiting_workers_heartbeat_carries_its_poll(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiting worker's heartbeat reads the poll's statement in its renewal's transaction, and
+    the wait counts it as its poll: the worker's polls and renewals together take one transaction
+    per ``poll_seconds`` (before: one more per heartbeat; issue 17's idle cost). The sampled
+    look for lost items, which workers of a host take turns at, is left out here."""
+    monkeypatch.setenv("WQ_SQL_BELL", "0")
+    monkeypatch.setattr(lease, "looks_this_beat", lambda on_host, draw: False)
+    holder = WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="holder", auto_complete=False)
+    assert holder.take() == "a"
+    waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.25, heartbeat_seconds=0.3)
+    assert waiter.take() == "b"
+    try:
+        txs = _counting(monkeypatch, waiter._db, "tx")  # the dispenser's and the heartbeat's handle
+        t = time.monotonic()
+        with pytest.raises(QueueEmpty):
+            waiter.take(timeout=4.0)
+        # After the back-off (its first second): polls every 0.25 s, 10 beats riding on them.
+        window = [x for x in txs if t + 1.0 <= x < t + 4.0]
+        assert len(window) <= 3.0 / 0.25 + 2, f"{len(window)} transactions in 3 s"
+    finally:
+        waiter.close()
+        holder.close()

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from sqlalchemy import Connection
+
 from wq_sql import bell, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.db import Db
@@ -29,7 +31,11 @@ from wq_sql.weak import weak_method
 
 log = logging.getLogger("wq_sql")
 ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know after this many polls
-IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals
+# A waiting take skips a poll when its heartbeat, which carries a poll, is due less than this
+# fraction of the poll interval after it (a beat comes a few ms after it was due).
+BEAT_SLACK = 0.9
+IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals,
+# and a waiting take polls at the worker's pace for this many of them after its last hand-out
 
 
 @dataclass
@@ -86,6 +92,13 @@ class Dispenser:
         # worker's may be the queue's last one (after_acks()).
         self.drained = False
         self._rang_end = False  # this object rang the queue's end (once is enough)
+        # Takes waiting right now (_wait), and the last poll that rode on a heartbeat's renewal
+        # (ride_beat): when it was read, and what it said.
+        self.waiting = 0
+        self.beat_peek: Optional[tuple[float, ops.Peek]] = None
+        # When this worker's next heartbeat is due (set once the heartbeat runs): a poll due
+        # shortly before it waits for it instead (_poll_until).
+        self.beat_due: Callable[[], Optional[float]] = lambda: None
 
     def check_usable(self) -> None:
         if self.closed:
@@ -137,23 +150,49 @@ class Dispenser:
         finished (then the take ends with :class:`QueueExhausted` from the poll). A ring is
         answered by a poll at once. Polls are read-only probes (cheap for the database even with
         a thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
-        the lock is not held during a poll, so other threads can complete items meanwhile."""
+        the lock is not held during a poll, so other threads can complete items meanwhile. A
+        poll that rode on this worker's heartbeat (:meth:`ride_beat`) counts as one: the next
+        is an interval after it."""
         self._listen()
-        pause = 0.02
+        since = time.monotonic()
         with self.lock:
             news = self.news
+            beat = self.beat_peek
+            self.waiting += 1
+        try:
+            self._poll_until(deadline, stop, rings, since, news, beat)
+        finally:
+            with self.lock:
+                self.waiting -= 1
+
+    def _poll_until(self, deadline: Optional[float], stop: Optional[Callable[[], bool]], rings: int,
+                    since: float, news: int, beat: Optional[tuple[float, ops.Peek]]) -> None:
+        """:meth:`_wait`'s loop; ``beat`` is the heartbeat's poll already seen when it began."""
+        pause = 0.02
         polls = 0
         db = self.db
         while True:
             # While the bell is live, polls are the safety net only: every poll_seconds. Without
             # it, poll about as often as this worker took items while it had work (never more
             # than every 20 ms): at the end of a drain, the others' last items take about that
-            # long, and a 1 s backoff would add up to 1 s to the job.
-            cap = (self.rules.poll_seconds if bell.live(db.engine) else
-                   min(self.rules.poll_seconds, max(pause, self.pace.interval or self.rules.poll_seconds)))
+            # long, and a 1 s backoff would add up to 1 s to the job. That pace holds for
+            # IDLE_PACES of its intervals after this worker's last hand-out, then the polls back
+            # off to poll_seconds: a worker that took a few items in a burst (items given back
+            # or released, claimed in quick rounds) polled every 20 ms for as long as the others
+            # held items (bench/cluster_scale.py idle: 40 polls/s from one worker).
+            paced, last = self.pace.interval, self.pace.last
+            cap = (self.rules.poll_seconds if bell.live(db.engine) or paced is None or last is None
+                   or time.monotonic() - last > IDLE_PACES * paced else
+                   min(self.rules.poll_seconds, max(pause, paced)))
             # Jittered while backing off (waiters started together drift apart), then every
             # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
             next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
+            due = self.beat_due()
+            if pause >= cap and due is not None and due < next_poll + BEAT_SLACK * cap:
+                # The heartbeat would come less than an interval after this poll, and it polls
+                # too (ride_beat): wait for it, or poll an interval after it was due.
+                next_poll = max(next_poll, due) + cap
+            peek: Optional[ops.Peek] = None
             with self.lock:
                 while True:
                     if self.book.buffer or self.news != news or self.closed:
@@ -161,6 +200,10 @@ class Dispenser:
                     if self.rings != rings:
                         rings = self.rings
                         break  # poll now
+                    got = self.beat_peek
+                    if got is not beat and got is not None and got[0] >= since:
+                        beat, peek = got, got[1]  # a heartbeat read it after this take's round
+                        break
                     now = time.monotonic()
                     late = (deadline is not None and now >= deadline) or (stop is not None and stop())
                     # An epoch that is due but not made yet (another worker's maker holds its
@@ -173,7 +216,8 @@ class Dispenser:
                     until = next_poll if late or deadline is None else min(next_poll, deadline)
                     self.changed.wait(until - now)
             pause = min(pause * 2, cap)
-            peek = db.tx(lambda c: ops.peek(c, db.dialect, self.qid, self.member.worker_id), read=True)
+            if peek is None:
+                peek = db.tx(lambda c: ops.peek(c, db.dialect, self.qid, self.member.worker_id), read=True)
             if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
                 # The end, as _fill() would find it, without its claim round and read: at the end
                 # of a drain every waiting worker gets here at once (bench/cluster_scale.py tail).
@@ -186,6 +230,27 @@ class Dispenser:
                 return  # its maker may have died holding its lock: _fill() makes a chunk itself
             if peek.mine and polls >= ORPHAN_POLLS and self._adopt_orphans():
                 return
+
+    def ride_beat(self, conn: Connection) -> Optional[Callable[[], None]]:
+        """For the heartbeat, inside its renewal's transaction: while a take waits, the poll's
+        statement rides on that transaction, and once it committed the waiting takes count it as
+        their poll. A waiting worker's heartbeats then take no transaction of their own on top of
+        its polls: one transaction per ``poll_seconds`` in all (bench/cluster_scale.py idle)."""
+        if not self.waiting or self.closed or os.getpid() != self.pid:
+            return None
+        at = time.monotonic()  # before the read: a wait that began after it does not use it
+        peek = ops.peek(conn, self.db.dialect, self.qid, self.member.worker_id)
+
+        def polled() -> None:
+            # close() joins the heartbeat while holding the lock: never wait for it long (the
+            # takes then poll by themselves, as without this).
+            if self.lock.acquire(timeout=0.05):
+                try:
+                    self.beat_peek = (at, peek)
+                    self.changed.notify_all()
+                finally:
+                    self.lock.release()
+        return polled
 
     def epoch_due(self) -> bool:
         """After a round that found nothing: the next epoch's rows are still to be made."""
