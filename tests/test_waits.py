@@ -21,6 +21,7 @@ from sqlalchemy.pool import NullPool
 from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, lease, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.engine import resolve_url
+from wq_sql.handout import before_beat
 
 
 class PollBarrier:
@@ -254,3 +255,13 @@ def test_a_waiting_workers_heartbeat_carries_its_poll(db_url: str, monkeypatch: 
     finally:
         waiter.close()
         holder.close()
+
+
+def test_polls_are_spaced_with_the_heartbeats_polls() -> None:
+    """``before_beat``: a waiting take's polls and its heartbeat's (which polls too) come at most
+    once per interval, evenly, and exactly every interval with the defaults (5 s and 1 s)."""
+    assert before_beat(0.0, 4.99, 1.0) == pytest.approx(0.998)  # just after a beat: 5 gaps
+    assert before_beat(4.05, 5.0, 1.0) == 6.0  # no room before the beat: it polls; this one if it did not
+    assert before_beat(0.0, 1.6, 1.0) == 2.6  # a 1.6 s period: one transaction per period, not two
+    assert before_beat(0.0, 5.0, 2.0) == 2.5  # 5 s and 2 s: two gaps of 2.5 s, not 2 + 2 + 1
+    assert before_beat(5.2, 5.0, 1.0) == 6.2  # a beat overdue (in flight): an interval from now

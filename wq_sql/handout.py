@@ -10,6 +10,7 @@ the end of the queue or returns expired leases; and otherwise waits, woken by wh
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -31,11 +32,23 @@ from wq_sql.weak import weak_method
 
 log = logging.getLogger("wq_sql")
 ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know after this many polls
-# A waiting take skips a poll when its heartbeat, which carries a poll, is due less than this
-# fraction of the poll interval after it (a beat comes a few ms after it was due).
-BEAT_SLACK = 0.9
+# The heartbeat comes a little after it was due, and a wait plans its next poll a little after
+# its last one: this much of a poll interval is not counted against the spacing (before_beat).
+BEAT_SLACK = 0.1
 IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals,
 # and a waiting take polls at the worker's pace for this many of them after its last hand-out
+
+
+def before_beat(now: float, due: float, interval: float) -> float:
+    """When a waiting take that polls every ``interval`` polls next, given that its heartbeat,
+    which polls too (``Dispenser.ride_beat``), is due at ``due``: the time until the beat split
+    into as many equal gaps of at least about ``interval`` as fit, so polls and beats together
+    come at most once per interval, and the gaps stay ``interval`` when the heartbeat period is
+    a multiple of it (5 s and 1 s, the defaults). With no room for a poll before the beat, the
+    next poll is an interval after the beat was due (the beat polls first; this one only if it
+    did not come)."""
+    gaps = math.floor((due - now) / interval + BEAT_SLACK)
+    return max(now, due) + interval if gaps <= 1 else now + (due - now) / gaps
 
 
 @dataclass
@@ -185,13 +198,12 @@ class Dispenser:
                    or time.monotonic() - last > IDLE_PACES * paced else
                    min(self.rules.poll_seconds, max(pause, paced)))
             # Jittered while backing off (waiters started together drift apart), then every
-            # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
-            next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
+            # ``cap``, spaced with the heartbeat's polls: at most one transaction per worker per
+            # poll_seconds, its renewals included (bench/cluster_scale.py idle).
+            now = time.monotonic()
             due = self.beat_due()
-            if pause >= cap and due is not None and due < next_poll + BEAT_SLACK * cap:
-                # The heartbeat would come less than an interval after this poll, and it polls
-                # too (ride_beat): wait for it, or poll an interval after it was due.
-                next_poll = max(next_poll, due) + cap
+            next_poll = (now + pause * (0.5 + random.random()) if pause < cap else
+                         now + cap if due is None else before_beat(now, due, cap))
             peek: Optional[ops.Peek] = None
             with self.lock:
                 while True:
