@@ -254,11 +254,14 @@ class Dispenser:
         peek = ops.peek(conn, self.db.dialect, self.qid, self.member.worker_id)
 
         def polled() -> None:
-            # close() joins the heartbeat while holding the lock: never wait for it long (the
-            # takes then poll by themselves, as without this).
-            if self.lock.acquire(timeout=0.05):
+            # Read by the waits without the lock's help: one reference, set at once. The
+            # notify only hurries a wait that the poll's news may end; without it, the wait
+            # takes this poll at its next check instead of polling. close() joins the heartbeat
+            # while holding the lock, so never wait for it (a close at the end of a drain
+            # would stall meanwhile).
+            self.beat_peek = (at, peek)
+            if not self.closed and self.lock.acquire(timeout=0.002):
                 try:
-                    self.beat_peek = (at, peek)
                     self.changed.notify_all()
                 finally:
                     self.lock.release()
