@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from wq_sql import QueueEmpty, QueueExhausted, WorkQueue
+from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, lease
 from wq_sql.claim import ClaimRound
 from wq_sql.engine import resolve_url
+from wq_sql.handout import before_beat
 from wq_sql.look import Look
 
 
@@ -225,3 +226,80 @@ def test_the_look_reads_what_the_tables_say(db_url: str) -> None:
     finally:
         other.close()
         w.close()
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str,
+              calls: Optional[list[float]] = None) -> list[float]:
+    """Wraps ``obj.name``; returns the list of the times (monotonic) of its calls (``calls``, if
+    given: one list for several)."""
+    calls = [] if calls is None else calls
+    real = getattr(obj, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_a_waiting_take_backs_off_after_a_burst_of_takes(db_url: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the doorbell (behind a pooler) a waiting take polls at its worker's own pace of
+    taking items, which ends a drain quickly; but only for a few of those intervals after its
+    last hand-out. A worker that took a few items in a burst (here six in a row; in the field,
+    items given back and claimed in quick rounds) polled every 20 ms for as long as the others
+    held items (bench/cluster_scale.py's idle workers: 40 polls/s from one worker)."""
+    monkeypatch.setenv("WQ_SQL_BELL", "0")
+    holder = WorkQueue([f"w{i}" for i in range(7)], shuffle=False, name="q", url=db_url, worker="holder",
+                       auto_complete=False)
+    assert holder.take() == "w0"  # held throughout: the waiter's take finds nothing and waits
+    waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.25)
+    try:
+        assert [waiter.take() for _ in range(6)] == [f"w{i}" for i in range(1, 7)]
+        peeks = _counting(monkeypatch, Look, "poll")
+        t = time.monotonic()
+        with pytest.raises(QueueEmpty):
+            waiter.take(timeout=3.0)
+        seconds = time.monotonic() - t
+        # The back-off from 20 ms to poll_seconds takes about 5 polls, the paced ones 1-3 more.
+        assert len(peeks) <= seconds / 0.25 + 10, f"{len(peeks)} polls in {seconds:.1f} s"
+    finally:
+        waiter.close()
+        holder.close()
+
+
+def test_a_waiting_workers_heartbeat_carries_its_poll(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiting worker's heartbeat reads the poll's statement in its renewal's transaction, and
+    the wait counts it as its poll: the worker's polls and renewals together take one transaction
+    per ``poll_seconds`` (before: one more per heartbeat; issue 17's idle cost). The sampled
+    look for lost items, which workers of a host take turns at, is left out here."""
+    monkeypatch.setenv("WQ_SQL_BELL", "0")
+    monkeypatch.setattr(lease, "looks_this_beat", lambda on_host, draw: False)
+    holder = WorkQueue(["a", "b"], shuffle=False, name="q", url=db_url, worker="holder", auto_complete=False)
+    assert holder.take() == "a"
+    waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.25, heartbeat_seconds=0.3)
+    assert waiter.take() == "b"
+    try:
+        # The dispenser's and the heartbeat's handle: its transactions and its one-query reads
+        txs = _counting(monkeypatch, waiter._db, "tx")
+        _counting(monkeypatch, waiter._db, "driver_read", txs)
+        t = time.monotonic()
+        with pytest.raises(QueueEmpty):
+            waiter.take(timeout=4.0)
+        # After the back-off (its first second): polls every 0.25 s, 10 beats riding on them.
+        window = [x for x in txs if t + 1.0 <= x < t + 4.0]
+        assert len(window) <= 3.0 / 0.25 + 2, f"{len(window)} transactions in 3 s"
+    finally:
+        waiter.close()
+        holder.close()
+
+
+def test_polls_are_spaced_with_the_heartbeats_polls() -> None:
+    """``before_beat``: a waiting take's polls and its heartbeat's (which polls too) come at most
+    once per interval, evenly, and exactly every interval with the defaults (5 s and 1 s)."""
+    assert before_beat(0.0, 4.99, 1.0) == pytest.approx(0.998)  # just after a beat: 5 gaps
+    assert before_beat(4.05, 5.0, 1.0) == 6.0  # no room before the beat: it polls; this one if it did not
+    assert before_beat(0.0, 1.6, 1.0) == 2.6  # a 1.6 s period: one transaction per period, not two
+    assert before_beat(0.0, 5.0, 2.0) == 2.5  # 5 s and 2 s: two gaps of 2.5 s, not 2 + 2 + 1
+    assert before_beat(5.2, 5.0, 1.0) == 6.2  # a beat overdue (in flight): an interval from now

@@ -10,12 +10,15 @@ the end of the queue or returns expired leases; and otherwise waits, woken by wh
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from sqlalchemy import Connection
 
 from wq_sql import bell, ops
 from wq_sql.claim import ClaimRound
@@ -30,7 +33,23 @@ from wq_sql.weak import weak_method
 
 log = logging.getLogger("wq_sql")
 ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know after this many polls
-IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals
+# The heartbeat comes a little after it was due, and a wait plans its next poll a little after
+# its last one: this much of a poll interval is not counted against the spacing (before_beat).
+BEAT_SLACK = 0.1
+IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals,
+# and a waiting take polls at the worker's pace for this many of them after its last hand-out
+
+
+def before_beat(now: float, due: float, interval: float) -> float:
+    """When a waiting take that polls every ``interval`` polls next, given that its heartbeat,
+    which polls too (``Dispenser.ride_beat``), is due at ``due``: the time until the beat split
+    into as many equal gaps of at least about ``interval`` as fit, so polls and beats together
+    come at most once per interval, and the gaps stay ``interval`` when the heartbeat period is
+    a multiple of it (5 s and 1 s, the defaults). With no room for a poll before the beat, the
+    next poll is an interval after the beat was due (the beat polls first; this one only if it
+    did not come)."""
+    gaps = math.floor((due - now) / interval + BEAT_SLACK)
+    return max(now, due) + interval if gaps <= 1 else now + (due - now) / gaps
 
 
 @dataclass
@@ -87,6 +106,13 @@ class Dispenser:
         # worker's may be the queue's last one (after_acks()).
         self.drained = False
         self._rang_end = False  # this object rang the queue's end (once is enough)
+        # Takes waiting right now (_wait), and the last poll that rode on a heartbeat's renewal
+        # (ride_beat): when it was read, and what it said.
+        self.waiting = 0
+        self.beat_peek: Optional[tuple[float, Peek]] = None
+        # When this worker's next heartbeat is due (set once the heartbeat runs): a poll due
+        # shortly before it waits for it instead (_poll_until).
+        self.beat_due: Callable[[], Optional[float]] = lambda: None
 
     def check_usable(self) -> None:
         if self.closed:
@@ -138,28 +164,53 @@ class Dispenser:
         finished (then the take ends with :class:`QueueExhausted` from the poll). A ring is
         answered by a poll at once. Polls are read-only probes (cheap for the database even with
         a thousand waiting workers; no write lock on SQLite), with backoff up to ``poll_seconds``;
-        the lock is not held during a poll, so other threads can complete items meanwhile."""
+        the lock is not held during a poll, so other threads can complete items meanwhile. A
+        poll that rode on this worker's heartbeat (:meth:`ride_beat`) counts as one: the next
+        is an interval after it."""
         # A wait that raises QueueEmpty at its first look (``timeout=0``, a ``stop`` already
         # true) hears no ring: it subscribes to none. The bell costs a listener thread, and on
         # Postgres a connection of its own, which the pass end of a ``wq_sql.torch`` DataLoader
         # worker (``take_many(timeout=0)``) opened once per process.
         if not (_late(deadline, stop) and not self.epoch_due()):
             self._listen()
-        pause = 0.02
+        since = time.monotonic()
         with self.lock:
             news = self.news
+            beat = self.beat_peek
+            self.waiting += 1
+        try:
+            self._poll_until(deadline, stop, rings, since, news, beat)
+        finally:
+            with self.lock:
+                self.waiting -= 1
+
+    def _poll_until(self, deadline: Optional[float], stop: Optional[Callable[[], bool]], rings: int,
+                    since: float, news: int, beat: Optional[tuple[float, Peek]]) -> None:
+        """:meth:`_wait`'s loop; ``beat`` is the heartbeat's poll already seen when it began."""
+        pause = 0.02
         polls = 0
         db = self.db
         while True:
             # While the bell is live, polls are the safety net only: every poll_seconds. Without
             # it, poll about as often as this worker took items while it had work (never more
             # than every 20 ms): at the end of a drain, the others' last items take about that
-            # long, and a 1 s backoff would add up to 1 s to the job.
-            cap = (self.rules.poll_seconds if bell.live(db.engine) else
-                   min(self.rules.poll_seconds, max(pause, self.pace.interval or self.rules.poll_seconds)))
+            # long, and a 1 s backoff would add up to 1 s to the job. That pace holds for
+            # IDLE_PACES of its intervals after this worker's last hand-out, then the polls back
+            # off to poll_seconds: a worker that took a few items in a burst (items given back
+            # or released, claimed in quick rounds) polled every 20 ms for as long as the others
+            # held items (bench/cluster_scale.py idle: 40 polls/s from one worker).
+            paced, last = self.pace.interval, self.pace.last
+            cap = (self.rules.poll_seconds if bell.live(db.engine) or paced is None or last is None
+                   or time.monotonic() - last > IDLE_PACES * paced else
+                   min(self.rules.poll_seconds, max(pause, paced)))
             # Jittered while backing off (waiters started together drift apart), then every
-            # ``cap`` exactly: at most one poll per worker per poll_seconds (bench/cluster_scale.py).
-            next_poll = time.monotonic() + (pause if pause >= cap else pause * (0.5 + random.random()))
+            # ``cap``, spaced with the heartbeat's polls: at most one transaction per worker per
+            # poll_seconds, its renewals included (bench/cluster_scale.py idle).
+            now = time.monotonic()
+            due = self.beat_due()
+            next_poll = (now + pause * (0.5 + random.random()) if pause < cap else
+                         now + cap if due is None else before_beat(now, due, cap))
+            peek: Optional[Peek] = None
             with self.lock:
                 while True:
                     if self.book.buffer or self.news != news or self.closed:
@@ -167,6 +218,10 @@ class Dispenser:
                     if self.rings != rings:
                         rings = self.rings
                         break  # poll now
+                    got = self.beat_peek
+                    if got is not beat and got is not None and got[0] >= since:
+                        beat, peek = got, got[1]  # a heartbeat read it after this take's round
+                        break
                     now = time.monotonic()
                     late = _late(deadline, stop, now)
                     # An epoch that is due but not made yet (another worker's maker holds its
@@ -179,7 +234,8 @@ class Dispenser:
                     until = next_poll if late or deadline is None else min(next_poll, deadline)
                     self.changed.wait(until - now)
             pause = min(pause * 2, cap)
-            peek = self._look(poll=True)
+            if peek is None:
+                peek = self._look(poll=True)
             if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
                 # The end, as _fill() would find it, without its claim round and read: at the end
                 # of a drain every waiting worker gets here at once (bench/cluster_scale.py tail).
@@ -199,6 +255,30 @@ class Dispenser:
         qid, worker_id = self.qid, self.member.worker_id
         run = self.look.poll if poll else self.look.read
         return self.db.driver_read(lambda conn, prefix: run(conn, prefix, qid, worker_id))
+
+    def ride_beat(self, conn: Connection) -> Optional[Callable[[], None]]:
+        """For the heartbeat, inside its renewal's transaction: while a take waits, the poll's
+        statement rides on that transaction, and once it committed the waiting takes count it as
+        their poll. A waiting worker's heartbeats then take no transaction of their own on top of
+        its polls: one transaction per ``poll_seconds`` in all (bench/cluster_scale.py idle)."""
+        if not self.waiting or self.closed or os.getpid() != self.pid:
+            return None
+        at = time.monotonic()  # before the read: a wait that began after it does not use it
+        peek = self.look.poll(conn.connection.driver_connection, "", self.qid, self.member.worker_id)
+
+        def polled() -> None:
+            # Read by the waits without the lock's help: one reference, set at once. The
+            # notify only hurries a wait that the poll's news may end; without it, the wait
+            # takes this poll at its next check instead of polling. close() joins the heartbeat
+            # while holding the lock, so never wait for it (a close at the end of a drain
+            # would stall meanwhile).
+            self.beat_peek = (at, peek)
+            if not self.closed and self.lock.acquire(timeout=0.002):
+                try:
+                    self.changed.notify_all()
+                finally:
+                    self.lock.release()
+        return polled
 
     def epoch_due(self) -> bool:
         """After a round that found nothing: the next epoch's rows are still to be made."""

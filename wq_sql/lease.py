@@ -163,22 +163,31 @@ class Heartbeat:
     (:func:`return_lost`); on SQLite also checkpoints the WAL every ``CHECKPOINT_SECONDS``.
     ``superseded()`` is called once another process took this identity over; ``returned()``
     whenever items went back to the queue; ``idle(heartbeat_seconds)`` after each renewal (the
-    owner gives back items claimed ahead that its consumer stopped asking for). The thread holds
-    this object weakly: when its owner is collected, the thread ends."""
+    owner gives back items claimed ahead that its consumer stopped asking for); ``ride(conn)``
+    inside the renewal's transaction, for statements of the owner's that ride on it instead of
+    taking a transaction of their own (a waiting take's poll: ``Dispenser.ride_beat``), and
+    what it returns is called once that transaction committed. The thread holds this object
+    weakly: when its owner is collected, the thread ends."""
 
     def __init__(self, db: Db, qid: int, me: Member, terms: Terms, queue: str, *, holding: Holding,
                  superseded: Callable[[], None], returned: Callable[[], None],
-                 idle: Callable[[float], object] = lambda beat: None) -> None:
+                 idle: Callable[[float], object] = lambda beat: None,
+                 ride: Callable[[Connection], Optional[Callable[[], None]]] = lambda conn: None) -> None:
         self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
         self._holding, self._superseded, self._returned = holding, superseded, returned
-        self._idle = idle
+        self._idle, self._ride = idle, ride
         # Live workers of the queue on this host, as of the last look; None until the first
         # beat counts them (see beat()).
         self.on_host: Optional[int] = None
+        self.due: Optional[float] = None  # when the next beat is due (monotonic), once known
         self.stop_event = threading.Event()
         self._thread = threading.Thread(target=_loop, args=(weakref.ref(self), self.stop_event),
                                         name=f"wq_sql-heartbeat-{queue}", daemon=True)
         self._thread.start()
+
+    def next_due(self) -> Optional[float]:
+        """When the next beat is due (``time.monotonic()``), or None if not known yet or stopping."""
+        return None if self.stop_event.is_set() else self.due
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stop_event.set()
@@ -192,19 +201,23 @@ class Heartbeat:
         tokens, buffered = held
         d, t, me, count = self.db.dialect, self.terms, self.me, self.on_host is None
 
-        def renew(c: Connection) -> tuple[bool, Optional[int]]:
+        def renew(c: Connection) -> tuple[bool, Optional[int], Optional[Callable[[], None]]]:
             ok = ops.renew(c, d, me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds,
                            t.max_item_seconds, buffered)
+            if not ok:
+                return False, None, None
             # The first beat counts this host's workers instead of looking at once: workers that
             # start together beat together, and N first looks at the same moment read N x N
             # worker rows and check every pid of the host in each (the 200-worker long tail's
             # ~1 s takes: bench/cluster_scale.py tail).
-            return ok, ops.live_on_host(c, self.qid, hostname()) if ok and count else None
+            return True, ops.live_on_host(c, self.qid, hostname()) if count else None, self._ride(c)
 
-        ok, on_host = self.db.tx(renew)
+        ok, on_host, after = self.db.tx(renew)
         if not ok:
             self._superseded()
             return
+        if after is not None:
+            after()
         if buffered:
             self._idle(t.heartbeat_seconds)
         self.on_host = on_host or self.on_host
@@ -223,7 +236,7 @@ def _loop(ref: weakref.ref[Heartbeat], stop: threading.Event) -> None:
             return
         now = time.monotonic()
         if not next_beat:
-            next_beat = now + hb.terms.heartbeat_seconds
+            next_beat = hb.due = now + hb.terms.heartbeat_seconds
         wal = hb.db.dialect.wal_checkpoint is not None
         del hb
         if stop.wait(max(0.0, min(next_beat - now, CHECKPOINT_SECONDS) if wal else next_beat - now)):
@@ -235,7 +248,7 @@ def _loop(ref: weakref.ref[Heartbeat], stop: threading.Event) -> None:
             if wal:
                 hb.db.checkpoint_wal()
             if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + hb.terms.heartbeat_seconds
+                next_beat = hb.due = time.monotonic() + hb.terms.heartbeat_seconds
                 hb.beat()
         except (DBAPIError, WqSqlError) as e:  # the next beat tries again; leases outlast several
             log.warning("heartbeat of queue %r failed: %s", hb.queue, e)

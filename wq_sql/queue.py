@@ -255,7 +255,9 @@ class WorkQueue:
                                     holding=weak_method(d.holding, None),
                                     superseded=weak_method(d.lose_identity, None),
                                     returned=weak_method(d.made_claimable, None),
-                                    idle=weak_method(d.give_back_idle, 0))
+                                    idle=weak_method(d.give_back_idle, 0),
+                                    ride=weak_method(d.ride_beat, None))
+        d.beat_due = self._heartbeat.next_due
 
     # ------------------------------------------------------------------ taking
 
