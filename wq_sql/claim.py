@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from sqlalchemy.exc import DBAPIError
 
-from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect
+from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect, qualifier
 from wq_sql.ops import Claimed, new_token
 from wq_sql.pooling import last_rows
 from wq_sql.states import CLAIMED, DONE, EV_DONE, PENDING
@@ -51,7 +51,7 @@ class ClaimRound:
         # queue below the floor are found; no scan below when the floor found enough.
         self._floor: Optional[tuple[int, int]] = None
         self._rounds = 0
-        p = f'"{schema}".' if schema else ""
+        p = qualifier(schema)
         # The one place this module names its dialect: which texts, and which runner of them.
         self._run = self._run_sqlite if b.is_sqlite else self._run_postgres
         if b.is_sqlite:

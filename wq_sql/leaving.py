@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from sqlalchemy.exc import DBAPIError
 
-from wq_sql.dialects import SQLITE_NOW, Dialect
+from wq_sql.dialects import SQLITE_NOW, Dialect, qualifier
 from wq_sql.states import CLAIMED, EV_RELEASE, PENDING
 
 # Rows per statement: SQLite allows 32766 parameters per statement.
@@ -31,7 +31,7 @@ class Leaving:
     connection (``Db.driver_tx``). Built once per queue object."""
 
     def __init__(self, b: Dialect, schema: Optional[str] = None) -> None:
-        p = f'"{schema}".' if schema else ""
+        p = qualifier(schema)
         self._run = self._run_sqlite if b.is_sqlite else self._run_postgres
         if b.is_sqlite:
             # (id, token) pairs as a VALUES list joined by primary key, as the claim round's acks.

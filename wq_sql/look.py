@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from wq_sql.dialects import SQLITE_NOW, Dialect
+from wq_sql.dialects import SQLITE_NOW, Dialect, qualifier
 from wq_sql.pooling import last_rows
 from wq_sql.states import CLAIMED, PENDING
 
@@ -42,7 +42,7 @@ class Look:
     ``claim.ClaimRound``); run on a driver connection (``Db.driver_read``)."""
 
     def __init__(self, b: Dialect, schema: Optional[str] = None) -> None:
-        p = f'"{schema}".' if schema else ""
+        p = qualifier(schema)
         now, mark = (SQLITE_NOW, "?") if b.is_sqlite else ("clock_timestamp()", "%s")
         # Index probes only: pending and claimed rows have partial indexes; the tallies are a
         # row per (epoch, worker). Parameters, in order: the queue id three times, the worker

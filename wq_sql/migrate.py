@@ -21,7 +21,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.exc import DBAPIError
 
-from wq_sql.dialects import dialect_of
+from wq_sql.dialects import dialect_of, qualifier
 from wq_sql.engine import safe_url
 from wq_sql.errors import SchemaOutdated
 
@@ -104,7 +104,7 @@ def _plain_revision(engine: Engine, schema: Optional[str]) -> Optional[str]:
     """The revision by one plain read (every queue object's opening, in every process: Alembic's
     ``MigrationContext`` took 5-6 ms of it in a DataLoader worker, ``bench/torch_loader.py``), or
     None when that read fails or is not one row: then :func:`current_revision` decides."""
-    table = f'"{schema}".alembic_version' if schema else "alembic_version"
+    table = f"{qualifier(schema)}alembic_version"
     try:
         with engine.connect().execution_options(wq_read=True) as conn:
             rows = conn.exec_driver_sql(f"SELECT version_num FROM {table}").fetchall()

@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from wq_sql.dialects import Dialect
+from wq_sql.dialects import Dialect, qualifier
 from wq_sql.states import CHECKPOINT_ACTIONS, CLAIMED, EVENT_KINDS, ITEM_STATES, PENDING
 
 NAMING_CONVENTION = {
@@ -283,10 +283,10 @@ VIEWS = {AUDIT_VIEW: AUDIT_VIEW_SQL, EVENTS_VIEW: EVENTS_VIEW_SQL}
 
 def create_view_sql(name: str, schema: Optional[str] = None) -> str:
     """``CREATE VIEW`` for one of :data:`VIEWS`, its tables qualified by ``schema`` when given."""
-    s = f'"{schema}".' if schema else ""
+    s = qualifier(schema)
     return f"CREATE VIEW {s}{name} AS {VIEWS[name].format(s=s)}"
 
 
 def drop_view_sql(name: str, schema: Optional[str] = None) -> str:
-    s = f'"{schema}".' if schema else ""
+    s = qualifier(schema)
     return f"DROP VIEW IF EXISTS {s}{name}"

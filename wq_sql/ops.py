@@ -46,7 +46,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
-from wq_sql.dialects import SQLITE_NOW, Dialect, dialect_of
+from wq_sql.dialects import SQLITE_NOW, Dialect, dialect_of, qualifier
 from wq_sql.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
 from wq_sql.plan import PlannedItem, QueueSpec, epoch_order
 from wq_sql.states import (
@@ -633,7 +633,7 @@ def _text(conn: Connection, build: Callable[[bool, str], str]) -> str:
     key = (build, sqlite, schema)
     sql = _TEXTS.get(key)
     if sql is None:
-        sql = _TEXTS[key] = build(sqlite, f'"{schema}".' if schema else "")
+        sql = _TEXTS[key] = build(sqlite, qualifier(schema))
     return sql
 
 

@@ -265,6 +265,12 @@ class Dialect:
         return None
 
 
+def qualifier(schema: Optional[str]) -> str:
+    """What goes before a table's name in a hand-written statement: ``"schema".`` for a queue in
+    a Postgres schema (a plain identifier, checked where the schema is given), else nothing."""
+    return f'"{schema}".' if schema else ""
+
+
 def sqlite_file(url: URL) -> Optional[Path]:
     """The file a SQLite URL names (None: another backend, or an in-memory database)."""
     if url.get_backend_name() != SQLITE or url.database in (None, "", ":memory:"):
