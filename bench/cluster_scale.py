@@ -476,8 +476,9 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
             # Transactions: each wq_sql transaction sends one set_config (its timeouts) first.
             "idle_tx_per_worker_per_poll": by_kind.get("timeouts", 0) / n / polls,
             "idle_xacts_per_worker_per_poll": idle_xacts / n / polls,  # pg_stat_database: lags
-            "idle_polls_per_worker_per_poll": by_kind.get("poll", 0) / n / polls,
-            "idle_beats_per_worker_per_poll": by_kind.get("heartbeat", 0) / n / polls,
+            "idle_polls_per_worker_per_poll": (by_kind.get("poll", 0) + by_kind.get("heartbeat+poll", 0)) / n / polls,
+            "idle_beats_per_worker_per_poll": (by_kind.get("heartbeat", 0) + by_kind.get("heartbeat+poll", 0))
+            / n / polls,
             "idle_looks_per_worker_per_poll": by_kind.get("look", 0) / n / polls,
             "idle_stmts_per_worker_per_poll": sum(by_kind.values()) / n / polls,
             "idle_by_kind": by_kind, "idle_top": top,
@@ -493,10 +494,12 @@ def _kind(q: str) -> str:
         return "begin/commit"
     if "set_config" in ql:
         return "timeouts"  # the first statement of every wq_sql transaction
+    if ql.startswith("with w as (update wq_workers set heartbeat_at"):  # renewal.Renewal
+        return "heartbeat+poll" if "epochs_created" in ql else "heartbeat"  # a waiting take's poll rode on it
     if "epochs_created" in ql and "exists" in ql:
-        return "poll"  # look.Look, by a waiting take or riding on its heartbeat
+        return "poll"  # look.Look, by a waiting take (or riding on its heartbeat, on SQLite)
     if ql.startswith("update wq_workers set heartbeat_at") or ql.startswith("update wq_items set lease_until"):
-        return "heartbeat"  # ops.renew
+        return "heartbeat"  # the renewal of code before renewal.Renewal
     if "wq_workers" in ql or "lease_until < clock_timestamp()" in ql:
         return "look"  # ops.holders_to_check, live_on_host, expire: the sampled look for lost items
     return "other"

@@ -34,7 +34,7 @@ BACKENDS = ["sqlite", "postgresql"]
 POOLED = "pgbouncer"  # Postgres through PgBouncer in transaction mode
 # The modules that form the contract every backend must pass, also through PgBouncer.
 CONTRACT_MODULES = {"test_smoke", "test_semantics", "test_concurrency", "test_crash", "test_epochs",
-                    "test_waits", "test_sources", "test_chaos", "test_bell"}
+                    "test_waits", "test_sources", "test_chaos", "test_bell", "test_renewal"}
 BOUNCER_POOL_SIZE = 10  # server connections per database through the test PgBouncer
 _TEMPLATE = f"wq_sql_tmpl_{os.getpid()}"
 

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from sqlalchemy import Connection
-
 from wq_sql import bell, ops
 from wq_sql.claim import ClaimRound
 from wq_sql.db import Db
@@ -256,17 +254,17 @@ class Dispenser:
         run = self.look.poll if poll else self.look.read
         return self.db.driver_read(lambda conn, prefix: run(conn, prefix, qid, worker_id))
 
-    def ride_beat(self, conn: Connection) -> Optional[Callable[[], None]]:
-        """For the heartbeat, inside its renewal's transaction: while a take waits, the poll's
-        statement rides on that transaction, and once it committed the waiting takes count it as
-        their poll. A waiting worker's heartbeats then take no transaction of their own on top of
-        its polls: one transaction per ``poll_seconds`` in all (bench/cluster_scale.py idle)."""
+    def ride_beat(self) -> Optional[Callable[[Peek], None]]:
+        """For the heartbeat, before its renewal: while a take waits, the poll rides on the
+        renewal (one statement, ``renewal.Renewal``), and once it committed the waiting takes
+        count it as their poll. A waiting worker's heartbeats then take no transaction of their
+        own on top of its polls: one transaction per ``poll_seconds`` in all
+        (bench/cluster_scale.py idle). Returns what takes the poll, or None: no take waits."""
         if not self.waiting or self.closed or os.getpid() != self.pid:
             return None
         at = time.monotonic()  # before the read: a wait that began after it does not use it
-        peek = self.look.poll(conn.connection.driver_connection, "", self.qid, self.member.worker_id)
 
-        def polled() -> None:
+        def polled(peek: Peek) -> None:
             # Read by the waits without the lock's help: one reference, set at once. The
             # notify only hurries a wait that the poll's news may end; without it, the wait
             # takes this poll at its next check instead of polling. close() joins the heartbeat

@@ -27,6 +27,8 @@ from wq_sql.db import Db
 from wq_sql.errors import QueueNotFound, WorkerConflict, WqSqlError
 from wq_sql.identity import hostname, process_alive, process_start
 from wq_sql.liveness import why_gone
+from wq_sql.look import Peek
+from wq_sql.renewal import Renewal
 
 log = logging.getLogger("wq_sql")
 CHECKPOINT_SECONDS = 1.0  # SQLite: how often the heartbeat thread checkpoints the WAL
@@ -163,17 +165,20 @@ class Heartbeat:
     (:func:`return_lost`); on SQLite also checkpoints the WAL every ``CHECKPOINT_SECONDS``.
     ``superseded()`` is called once another process took this identity over; ``returned()``
     whenever items went back to the queue; ``idle(heartbeat_seconds)`` after each renewal (the
-    owner gives back items claimed ahead that its consumer stopped asking for); ``ride(conn)``
-    inside the renewal's transaction, for statements of the owner's that ride on it instead of
-    taking a transaction of their own (a waiting take's poll: ``Dispenser.ride_beat``), and
-    what it returns is called once that transaction committed. The thread holds this object
-    weakly: when its owner is collected, the thread ends."""
+    owner gives back items claimed ahead that its consumer stopped asking for); ``ride()``
+    before each renewal: None, or a function that takes the poll (``look.Peek``) that rode on
+    the renewal instead of taking a transaction of its own (a waiting take's poll:
+    ``Dispenser.ride_beat``), called once the renewal committed. The renewal is one statement
+    (``renewal.Renewal``). The thread holds this object weakly: when its owner is collected,
+    the thread ends."""
 
     def __init__(self, db: Db, qid: int, me: Member, terms: Terms, queue: str, *, holding: Holding,
                  superseded: Callable[[], None], returned: Callable[[], None],
                  idle: Callable[[float], object] = lambda beat: None,
-                 ride: Callable[[Connection], Optional[Callable[[], None]]] = lambda conn: None) -> None:
+                 renewal: Renewal,
+                 ride: Callable[[], Optional[Callable[[Peek], None]]] = lambda: None) -> None:
         self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
+        self.renewal = renewal
         self._holding, self._superseded, self._returned = holding, superseded, returned
         self._idle, self._ride = idle, ride
         # Live workers of the queue on this host, as of the last look; None until the first
@@ -199,25 +204,22 @@ class Heartbeat:
         if held is None:
             return
         tokens, buffered = held
-        d, t, me, count = self.db.dialect, self.terms, self.me, self.on_host is None
-
-        def renew(c: Connection) -> tuple[bool, Optional[int], Optional[Callable[[], None]]]:
-            ok = ops.renew(c, d, me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds,
-                           t.max_item_seconds, buffered)
-            if not ok:
-                return False, None, None
-            # The first beat counts this host's workers instead of looking at once: workers that
-            # start together beat together, and N first looks at the same moment read N x N
-            # worker rows and check every pid of the host in each (the 200-worker long tail's
-            # ~1 s takes: bench/cluster_scale.py tail).
-            return True, ops.live_on_host(c, self.qid, hostname()) if count else None, self._ride(c)
-
-        ok, on_host, after = self.db.tx(renew)
-        if not ok:
+        t, me, qid = self.terms, self.me, self.qid
+        polled = self._ride()
+        # The first beat counts this host's workers instead of looking at once: workers that
+        # start together beat together, and N first looks at the same moment read N x N worker
+        # rows and check every pid of the host in each (the 200-worker long tail's ~1 s takes:
+        # bench/cluster_scale.py tail).
+        host = hostname() if self.on_host is None else None
+        r = self.db.driver_round(lambda conn, prefix: self.renewal.run(
+            conn, prefix, qid, me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds,
+            t.max_item_seconds, buffered, poll=polled is not None, host=host))
+        if not r.alive:
             self._superseded()
             return
-        if after is not None:
-            after()
+        if polled is not None and r.peek is not None:
+            polled(r.peek)
+        on_host = r.on_host
         if buffered:
             self._idle(t.heartbeat_seconds)
         self.on_host = on_host or self.on_host

@@ -14,6 +14,7 @@ so SQLite's planner can use the partial indexes (it cannot with a bound paramete
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,13 +47,14 @@ class Look:
         now, mark = (SQLITE_NOW, "?") if b.is_sqlite else ("clock_timestamp()", "%s")
         # Index probes only: pending and claimed rows have partial indexes; the tallies are a
         # row per (epoch, worker). Parameters, in order: the queue id three times, the worker
-        # id, the queue id twice.
-        self._sql = (
-            f"SELECT EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{PENDING}'), "
-            f"EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{CLAIMED}' "
-            f"AND lease_until < {now}), "
+        # id, the queue id twice. Named columns: the heartbeat's renewal reads the statement as
+        # a derived table (renewal.Renewal).
+        self.sql = (
+            f"SELECT EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{PENDING}') "
+            f"AS pending, EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{CLAIMED}' "
+            f"AND lease_until < {now}) AS expired, "
             f"(SELECT count(*) FROM {p}wq_items WHERE queue_id = {mark} AND worker_id = {mark} "
-            f"AND state = '{CLAIMED}'), "
+            f"AND state = '{CLAIMED}') AS mine, "
             "t.finished, t.failed, q.epochs_created, q.num_epochs "
             f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
             f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
@@ -69,17 +71,25 @@ class Look:
         of a waiting take without holding this read."""
         return self._run(conn, prefix, qid, worker_id)
 
-    def _run(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
-        params = (qid, qid, qid, worker_id, qid, qid)
-        cur = conn.cursor()
-        try:
-            cur.execute(prefix + self._sql, params)
-            rows = last_rows(cur)  # psycopg 3 keeps the prefix's result first
-        finally:
-            cur.close()
-        row = rows[0] if rows else None
-        if row is None:
+    @staticmethod
+    def params(qid: int, worker_id: int) -> list[int]:
+        """The statement's parameters, in order."""
+        return [qid, qid, qid, worker_id, qid, qid]
+
+    @staticmethod
+    def peek(row: Optional[Sequence[Any]], qid: int) -> Peek:
+        """The statement's row as a :class:`Peek` (None or NULLs: the queue row is gone)."""
+        if row is None or row[0] is None:
             raise LookupError(f"queue id {qid} is gone (deleted while this worker waited)")
         pending, expired, mine, finished, failed, created, num_epochs = row
         return Peek(bool(pending), bool(expired), int(finished), int(created), int(mine), int(failed),
                     int(num_epochs))
+
+    def _run(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
+        cur = conn.cursor()
+        try:
+            cur.execute(prefix + self.sql, self.params(qid, worker_id))
+            rows = last_rows(cur)  # psycopg 3 keeps the prefix's result first
+        finally:
+            cur.close()
+        return self.peek(rows[0] if rows else None, qid)

@@ -422,26 +422,6 @@ def give_back_held(conn: Connection, b: Dialect, qid: int, h: Holder, max_attemp
                       max_attempts, why)
 
 
-def renew(conn: Connection, b: Dialect, worker_id: int, incarnation: str, tokens: Sequence[int],
-          lease_seconds: float, max_item_seconds: Optional[float], buffered: int = 0) -> bool:
-    """Heartbeat: refresh the worker row (with how many of its items are ``buffered``: claimed,
-    not yet handed out) and the leases of the items this incarnation holds.
-
-    Returns False when another process has taken over this identity (the row's incarnation
-    changed): the caller must stop using its items."""
-    alive = conn.execute(update(workers).where(workers.c.id == worker_id,
-                                               workers.c.incarnation == incarnation)
-                         .values(heartbeat_at=b.now(), buffered=buffered)).rowcount
-    if not alive:
-        return False
-    if tokens:
-        cond = [items.c.worker_id == worker_id, items.c.state == CLAIMED, items.c.token.in_(list(tokens))]
-        if max_item_seconds is not None:
-            cond.append(items.c.claimed_at > b.now_plus(-max_item_seconds))
-        conn.execute(update(items).where(*cond).values(lease_until=b.now_plus(lease_seconds)))
-    return True
-
-
 # ---------------------------------------------------------------- workers
 
 

@@ -45,6 +45,7 @@ from wq_sql.plan import (
     check_seed,
     normalize_works,
 )
+from wq_sql.renewal import Renewal
 from wq_sql.sources import read_slice
 from wq_sql.weak import weak_method
 
@@ -256,6 +257,7 @@ class WorkQueue:
                                     superseded=weak_method(d.lose_identity, None),
                                     returned=weak_method(d.made_claimable, None),
                                     idle=weak_method(d.give_back_idle, 0),
+                                    renewal=Renewal(self._db.dialect, d.look, self._opts.schema),
                                     ride=weak_method(d.ride_beat, None))
         d.beat_due = self._heartbeat.next_due
 
