@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import event
 from worker_proc import Proc, make_works, query, query_commit, received_multiset
 
-from wq_sql import WorkQueue
+from wq_sql import WorkQueue, ops
 from wq_sql.lease import LOOKS_PER_HOST, looks_this_beat
 from wq_sql.renewal import Renewal
 
@@ -337,6 +337,37 @@ def test_an_older_workers_item_comes_back_only_after_the_lease(db_url: str, tmp_
     assert ts(first_claim[0][0]) < ts(until)
     assert audit(db_url, name, 0, 0).attempts == 1
     assert_all_done_once(db_url, name, n)
+
+
+def test_a_look_writes_only_when_a_lease_has_expired(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look for lost items reads first; its write transaction (``ops.expire``: on SQLite a
+    turn of the machine's write lock) runs only when the read saw an expired lease."""
+    expiring: list[int] = []
+    real = ops.expire
+
+    def expire(*args: Any, **kwargs: Any) -> int:
+        n = real(*args, **kwargs)
+        expiring.append(n)
+        return n
+
+    monkeypatch.setattr(ops, "expire", expire)
+    name = "lookwrites"
+    # "slow" beats every 30 s: it does not renew its item while "looker" (2 workers on this
+    # host: it looks at every beat) looks every 0.3 s.
+    with WorkQueue(make_works(3), name=name, url=db_url, worker="slow", heartbeat_seconds=30,
+                   lease_seconds=90, lease_ahead=1, shuffle=False) as slow, \
+            WorkQueue.attach(name, url=db_url, worker="looker", heartbeat_seconds=0.3, lease_seconds=30):
+        assert slow.take() == make_works(3)[0]
+        time.sleep(1.5)  # about 5 beats of the looker, each a look
+        assert expiring == [], "a look with no expired lease wrote"
+        query_commit(db_url, "UPDATE wq_items SET lease_until = :t WHERE state = 'claimed'",
+                     t="2000-01-01 00:00:00.000000")
+        deadline = time.monotonic() + 20
+        while not expiring and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert expiring and expiring[0] == 1
+        assert [(r.kind, r.worker, r.detail) for r in history(db_url, name, 0, 0)] == [
+            ("claim", "slow", None), ("expire", "slow", "lease expired")]
 
 
 # ---------------------------------------------------------------- SIGSTOP: a stale worker

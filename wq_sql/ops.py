@@ -36,6 +36,7 @@ from sqlalchemy import (
     and_,
     case,
     delete,
+    exists,
     func,
     insert,
     literal,
@@ -387,9 +388,12 @@ class Holder:
     held: int
 
 
-def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str) -> tuple[list[Holder], int]:
-    """The other workers holding items that are stale or on ``host``, and how many live workers
-    (this one included) the queue has on ``host``: a read, two statements."""
+def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int,
+                     host: str) -> tuple[list[Holder], int, bool]:
+    """The other workers holding items that are stale or on ``host``, how many live workers
+    (this one included) the queue has on ``host``, and whether a lease has expired (so that the
+    look's write transaction, :func:`expire`, runs only when it has work): a read, two
+    statements."""
     age = b.seconds_since(workers.c.heartbeat_at)
     stale = and_(workers.c.beat_seconds.is_not(None), age > STALE_BEATS * workers.c.beat_seconds)
     held = (select(func.count()).where(items.c.queue_id == qid, items.c.worker_id == workers.c.id,
@@ -400,14 +404,12 @@ def holders_to_check(conn: Connection, b: Dialect, qid: int, me: int, host: str)
                held.label("held"))
         .where(workers.c.queue_id == qid, workers.c.id != me, workers.c.heartbeat_at.is_not(None),
                or_(workers.c.host == host, stale))).all()
+    on_host = (select(func.count()).where(workers.c.queue_id == qid, workers.c.host == host,
+                                          workers.c.heartbeat_at.is_not(None)).scalar_subquery())
+    expired = exists().where(items.c.queue_id == qid, items.c.state == CLAIMED, items.c.lease_until < b.now())
+    n, late = conn.execute(select(on_host, expired)).one()
     return [Holder(r.id, r.name, r.host, r.pid, r.proc_start, r.incarnation, float(r.age), bool(r.stale),
-                   int(r.held)) for r in rows if r.held], live_on_host(conn, qid, host)
-
-
-def live_on_host(conn: Connection, qid: int, host: str) -> int:
-    """How many live (registered, not closed) workers the queue has on ``host``."""
-    return int(conn.execute(select(func.count()).where(
-        workers.c.queue_id == qid, workers.c.host == host, workers.c.heartbeat_at.is_not(None))).scalar_one())
+                   int(r.held)) for r in rows if r.held], int(n), bool(late)
 
 
 def give_back_held(conn: Connection, b: Dialect, qid: int, h: Holder, max_attempts: int, why: str,
