@@ -151,6 +151,7 @@ _FIRST = 1  # ticket t waits and holds its turn on byte _FIRST + t (a lock range
 _FLOCK = struct.Struct("hhqqi")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD)
 _warned: set[str] = set()
 _held = threading.local()  # the lock files whose turn this thread holds (nested transactions)
+_NESTED = -1  # WriterQueue.enter(): no turn taken (held already, or no lock file)
 
 
 class WriterQueue:
@@ -171,6 +172,7 @@ class WriterQueue:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._key = str(path)
         self._pid = os.getpid()
         self._idle: list[int] = []  # descriptors of the lock file, holding no lock
         self._mu = threading.Lock()
@@ -182,11 +184,19 @@ class WriterQueue:
         """Hold this writer's turn: enter before ``BEGIN IMMEDIATE``, leave after ``COMMIT`` or
         ``ROLLBACK``. A thread that holds the turn already (a transaction inside another) gets
         it again at once: waiting would wait for itself."""
-        held: set[str] = _held.__dict__.setdefault("files", set())
-        key = str(self.path)
-        if key in held:
+        fd = self.enter()
+        try:
             yield
-            return
+        finally:
+            self.leave(fd)
+
+    def enter(self) -> int:
+        """:meth:`turn` without a context manager (the hot path's transaction is a plain
+        ``try``): wait for this writer's turn; returns what :meth:`leave` takes."""
+        held: set[str] = _held.__dict__.setdefault("files", set())
+        key = self._key
+        if key in held:
+            return _NESTED
         fd = self._descriptor()
         if fd is not None:
             try:
@@ -199,14 +209,16 @@ class WriterQueue:
                 os.close(fd)
                 raise
         if fd is None:  # no lock file: SQLite's busy handler alone
-            yield
-            return
+            return _NESTED
         held.add(key)
-        try:
-            yield
-        finally:
-            held.discard(key)
-            self._give_back(fd)
+        return fd
+
+    def leave(self, fd: int) -> None:
+        """End the turn :meth:`enter` returned ``fd`` for."""
+        if fd == _NESTED:
+            return
+        _held.files.discard(self._key)
+        self._give_back(fd)
 
     def _descriptor(self) -> Optional[int]:
         with self._mu:
