@@ -310,21 +310,22 @@ class _Writing:
     """How many of a handle's threads are in a write transaction, and a wait for none."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._n = 0
 
     def enter(self) -> None:
-        with self._cond:
+        with self._lock:
             self._n += 1
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._n -= 1
             if not self._n:
                 self._cond.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
+        with self._lock:
             return self._cond.wait_for(lambda: not self._n, timeout)
 
 
@@ -353,32 +354,35 @@ class _Skipped(Exception):
 
 class _TxGate:
     """Counts the transactions in flight, so that ``fork()`` can wait until there are none and
-    hold new ones back meanwhile."""
+    hold new ones back meanwhile. Entered around every transaction: the lock is used directly
+    (the condition's own ``with`` is Python code), and exits notify only while shut."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._shut = False
 
     def __enter__(self) -> None:
-        with self._cond:
+        with self._lock:
             while self._shut:
                 self._cond.wait()
             self._active += 1
 
     def __exit__(self, *exc: object) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
-            self._cond.notify_all()
+            if self._shut:  # shut() waits for none in flight
+                self._cond.notify_all()
 
     def shut(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shut = True
             while self._active:
                 self._cond.wait()
 
     def open(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shut = False
             self._cond.notify_all()
 

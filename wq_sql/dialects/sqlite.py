@@ -250,7 +250,7 @@ class WriterQueue:
 
     def _give_back(self, fd: int) -> None:
         try:
-            _lock(fd, fcntl.F_UNLCK, 0, 0)  # the whole file: this writer's byte
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _UNLOCK_ALL)  # the whole file: this writer's byte
         except OSError:
             os.close(fd)
             return
@@ -269,11 +269,21 @@ class WriterQueue:
             os.close(fd)
 
 
+def _request(kind: int, start: int, length: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0) + bytes(8)
+
+
+if fcntl is not None and hasattr(fcntl, "F_OFD_SETLKW"):
+    _MUTEX_LOCK = _request(fcntl.F_WRLCK, _MUTEX, 1)
+    _MUTEX_UNLOCK = _request(fcntl.F_UNLCK, _MUTEX, 1)
+    _UNLOCK_ALL = _request(fcntl.F_UNLCK, 0, 0)
+
+
 def _lock(fd: int, kind: int, start: int, length: int, wait: bool = False) -> None:
     """An OFD lock (``kind``: F_RDLCK, F_WRLCK or F_UNLCK) on ``length`` bytes from ``start``
     (0: to the end of the file and beyond); ``wait``: block until it is granted."""
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
-                _FLOCK.pack(kind, os.SEEK_SET, start, length, 0) + bytes(8))
+                _request(kind, start, length))
 
 
 def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
@@ -288,7 +298,8 @@ def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
 
 
 def _take_turn(fd: int) -> None:
-    _lock(fd, fcntl.F_WRLCK, _MUTEX, 1, wait=True)
+    # The mutex's lock and unlock are the same two requests every time: packed once.
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _MUTEX_LOCK)
     try:
         raw = os.pread(fd, 8, 0)
         ticket = int.from_bytes(raw, "little") if len(raw) == 8 else 0
@@ -296,7 +307,7 @@ def _take_turn(fd: int) -> None:
         _lock(fd, fcntl.F_WRLCK, _FIRST + ticket, 1, wait=True)
         os.pwrite(fd, (ticket + 1).to_bytes(8, "little"), 0)
     finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX, 1)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _MUTEX_UNLOCK)
     # Read locks wait for the write locks of the turns without conflicting with other waiters;
     # they stay until this turn ends (no writer locks those bytes again). First the writer two
     # ahead, then every one before it (at once, unless one died while waiting: its byte was free
