@@ -99,6 +99,20 @@ def test_close_closes_it(db: Db) -> None:
         conn.execute("SELECT 1")
 
 
+def test_a_connection_from_another_process_is_closed_not_used(db: Db) -> None:
+    """A fork Python did not announce (no at-fork hooks ran): the next transaction finds the
+    connection was opened by another process id, closes it, and opens its own."""
+    inherited = db.driver_tx(_insert(1))
+    hot: Any = db._hot
+    hot._pid = -1  # as if this process were the child of the one that opened it
+    mine = db.driver_tx(_insert(2))
+    assert mine is not inherited
+    with pytest.raises(sqlite3.ProgrammingError):
+        inherited.execute("SELECT 1")
+    assert db.driver_tx(_insert(3)) is mine
+    assert _rows(db) == [1, 2, 3]
+
+
 _FORK = r"""
 import os, sys
 from wq_sql.db import Db

@@ -169,15 +169,17 @@ def driver_transaction(engine: Engine,
 class HotConnection:
     """SQLite: one driver connection kept out of the pool for the write transactions of the hot
     path (the claim round, acknowledgements: ``Db.driver_tx``), used by whichever thread finds it
-    free. A pool checkout and check-in (with its reset) around every round cost as much as half
-    the round's own statements at one item (``bench/claim_throughput.py``); a thread that finds it
-    taken (the refill thread during a take's round) uses the pool as before.
+    free. Through the pool, each round paid a checkout and a check-in (with its reset), and
+    consecutive rounds alternated between the pool's connections, so each found the other's
+    commit and SQLite dropped its page cache: ~100 us of CPU per round at lease-ahead 1, a third
+    of a ``take()`` (``bench/claim_throughput.py``). A thread that finds it taken (the refill
+    thread during a take's round) uses the pool as before.
 
     The connection is made by the pool (its connect hook sets WAL, ``isolation_level``, ...) and
     then detached from it, so the pool keeps its whole capacity for the other threads. Fork
     safety as for pooled connections (``Dialect.close_inherited``): :meth:`close` before a
     ``fork()`` (``db._before_fork``, once no transaction is in flight) so the child inherits
-    none; a child that finds one anyway (a fork not announced to Python) drops it unused."""
+    none; a child that finds one anyway (a fork not announced to Python) closes it unused."""
 
     __slots__ = ("_engine", "_lock", "_conn", "_pid", "closed")
 
@@ -219,7 +221,7 @@ class HotConnection:
 
     def _open(self) -> Any:
         if self._pid != os.getpid():  # a fork Python did not announce: the parent's connection
-            self.after_fork()
+            self._forget()
         fairy = _checkout(self._engine)
         fairy.detach()  # ours now: the pool opens another in its place when it needs one
         self._conn = fairy.dbapi_connection
@@ -259,6 +261,9 @@ class HotConnection:
         ``Dialect.close_inherited``: safe, and needed, for SQLite), and start afresh (a thread
         of the parent that held the lock at the fork does not exist here)."""
         self._lock = threading.Lock()
+        self._forget()
+
+    def _forget(self) -> None:
         conn, self._conn, self._pid = self._conn, None, os.getpid()
         if conn is not None:
             try:
