@@ -28,7 +28,15 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from wq_sql.dialects import LOST, dialect_of
-from wq_sql.engine import driver_read, driver_statement, driver_transaction, open_error, safe_url
+from wq_sql.engine import (
+    Busy,
+    HotConnection,
+    driver_read,
+    driver_statement,
+    driver_transaction,
+    open_error,
+    safe_url,
+)
 from wq_sql.errors import DatabaseBusy, DatabaseUnavailable
 
 log = logging.getLogger("wq_sql")
@@ -68,6 +76,8 @@ class Db:
         # SQLite: this host's write transactions take the write lock in the order they asked.
         self._writers = self.dialect.writer_queue(url)
         self._writing = _Writing()
+        # SQLite: the driver connection of the hot path's write transactions (driver_tx).
+        self._hot = HotConnection(engine) if self.dialect.is_sqlite else None
         self._pid = os.getpid()
         self.closed = False
         _open_dbs.add(self)
@@ -111,7 +121,19 @@ class Db:
     def driver_tx(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn`` on the driver's own connection in one write transaction (the claim round's
         SQLite path and acknowledgements outside a round: ``engine.driver_transaction``),
-        retried like :meth:`tx`."""
+        retried like :meth:`tx`. SQLite: on this handle's :class:`~wq_sql.engine.HotConnection`
+        when no other thread uses it, else on a pooled connection."""
+        hot = self._hot
+        if hot is not None:
+            def hot_once() -> T:
+                with self._gate:
+                    got = hot.transaction(fn, self._enter_write, self._leave_write)
+                    if not isinstance(got, Busy):
+                        return got
+                    with driver_transaction(self.engine, self._write_turn()) as conn:
+                        return fn(conn)
+            return self.retrying(hot_once)
+
         def once() -> T:
             with self._gate, driver_transaction(self.engine, self._write_turn()) as conn:
                 return fn(conn)
@@ -145,6 +167,18 @@ class Db:
         after its end (``Dialect.writer_queue``); nothing elsewhere. Counted while held
         (:meth:`wait_writes`)."""
         return _Held(self._writers.turn() if self._writers is not None else None, self._writing)
+
+    def _enter_write(self) -> int:
+        """:meth:`_write_turn` entered without a context manager (``HotConnection``): returns
+        what :meth:`_leave_write` takes."""
+        ticket = self._writers.enter() if self._writers is not None else -1
+        self._writing.enter()
+        return ticket
+
+    def _leave_write(self, ticket: int) -> None:
+        self._writing.leave()
+        if self._writers is not None:
+            self._writers.leave(ticket)
 
     def wait_writes(self, timeout: float) -> bool:
         """Wait until no thread of this handle is in a write transaction, at most ``timeout``
@@ -250,6 +284,8 @@ class Db:
         if os.getpid() == self._pid:
             return False
         self.engine.dispose(close=self.dialect.close_inherited)
+        if self._hot is not None:
+            self._hot.after_fork()
         self._pid = os.getpid()
         self._in_outage, self._busy = set(), {}  # the parent's threads are not here
         return True
@@ -261,6 +297,12 @@ class Db:
         _open_dbs.discard(self)
         if self._writers is not None:
             self._writers.close()
+        if self._hot is not None:
+            if os.getpid() == self._pid:
+                self._hot.close()
+            else:  # a forked child that never used it: the parent's connection, if inherited
+                self._hot.after_fork()
+                self._hot.close()
         self.engine.dispose(close=own and os.getpid() == self._pid)
 
 
@@ -268,21 +310,22 @@ class _Writing:
     """How many of a handle's threads are in a write transaction, and a wait for none."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._n = 0
 
     def enter(self) -> None:
-        with self._cond:
+        with self._lock:
             self._n += 1
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._n -= 1
             if not self._n:
                 self._cond.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
+        with self._lock:
             return self._cond.wait_for(lambda: not self._n, timeout)
 
 
@@ -311,32 +354,35 @@ class _Skipped(Exception):
 
 class _TxGate:
     """Counts the transactions in flight, so that ``fork()`` can wait until there are none and
-    hold new ones back meanwhile."""
+    hold new ones back meanwhile. Entered around every transaction: the lock is used directly
+    (the condition's own ``with`` is Python code), and exits notify only while shut."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._shut = False
 
     def __enter__(self) -> None:
-        with self._cond:
+        with self._lock:
             while self._shut:
                 self._cond.wait()
             self._active += 1
 
     def __exit__(self, *exc: object) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
-            self._cond.notify_all()
+            if self._shut:  # shut() waits for none in flight
+                self._cond.notify_all()
 
     def shut(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shut = True
             while self._active:
                 self._cond.wait()
 
     def open(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shut = False
             self._cond.notify_all()
 
@@ -355,6 +401,8 @@ def _before_fork() -> None:
             db._gate.shut()
             _forking.append(db._gate)
             db.engine.dispose()
+            if db._hot is not None:
+                db._hot.close(final=False)
 
 
 def _after_fork_in_parent() -> None:
@@ -370,6 +418,8 @@ def _after_fork_in_child() -> None:
     for db in list(_open_dbs):
         db._gate = _TxGate()
         db._writing = _Writing()  # the parent's transactions are not here
+        if db._hot is not None:
+            db._hot.after_fork()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX

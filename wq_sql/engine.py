@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
@@ -28,6 +29,7 @@ from wq_sql.errors import DatabaseUnavailable, InvalidInput
 _DSN_PASSWORD = re.compile(r"(\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|[^\s']+)", re.IGNORECASE)
 _URL_PASSWORD = re.compile(r"(\b[A-Za-z][\w+.-]*://[^\s:/@]*:)[^\s@]*@")
 URL_GIVEN = "url= (or $WQ_SQL_URL)"  # where the API's fixes say the URL comes from
+T = TypeVar("T")
 
 
 def resolve_url(url: Optional[str | URL]) -> URL:
@@ -162,6 +164,119 @@ def driver_transaction(engine: Engine,
     finally:
         tx.close()
         fairy.close()
+
+
+class HotConnection:
+    """SQLite: one driver connection kept out of the pool for the write transactions of the hot
+    path (the claim round, acknowledgements: ``Db.driver_tx``), used by whichever thread finds it
+    free. Through the pool, each round paid a checkout and a check-in (with its reset), and
+    consecutive rounds alternated between the pool's connections, so each found the other's
+    commit and SQLite dropped its page cache: ~100 us of CPU per round at lease-ahead 1, a third
+    of a ``take()`` (``bench/claim_throughput.py``). A thread that finds it taken (the refill
+    thread during a take's round) uses the pool as before.
+
+    The connection is made by the pool (its connect hook sets WAL, ``isolation_level``, ...) and
+    then detached from it, so the pool keeps its whole capacity for the other threads. Fork
+    safety as for pooled connections (``Dialect.close_inherited``): :meth:`close` before a
+    ``fork()`` (``db._before_fork``, once no transaction is in flight) so the child inherits
+    none; a child that finds one anyway (a fork not announced to Python) closes it unused."""
+
+    __slots__ = ("_engine", "_lock", "_conn", "_pid", "closed")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = os.getpid()
+        self.closed = False
+
+    def transaction(self, fn: Callable[[Any], T], enter: Callable[[], int],
+                    leave: Callable[[int], None]) -> T | Busy:
+        """``fn(conn)`` in one write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back
+        on an error), holding the writers' turn (``enter()`` returns what ``leave()`` takes) from
+        before the ``BEGIN`` to after its end, as :func:`driver_transaction` does; driver errors
+        come out as SQLAlchemy's ``DBAPIError``. Returns :data:`BUSY` at once, running nothing, if
+        another thread uses the connection, or once closed."""
+        if not self._lock.acquire(blocking=False):
+            return BUSY
+        try:
+            if self.closed:
+                return BUSY
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                conn = self._open()
+            ticket = enter()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                result = fn(conn)
+                conn.commit()
+            except BaseException as e:
+                self._abort(conn, e)
+                raise  # not reached for a driver error: _abort raises it as SQLAlchemy's
+            finally:
+                leave(ticket)
+            return result
+        finally:
+            self._lock.release()
+
+    def _open(self) -> Any:
+        if self._pid != os.getpid():  # a fork Python did not announce: the parent's connection
+            self._forget()
+        fairy = _checkout(self._engine)
+        fairy.detach()  # ours now: the pool opens another in its place when it needs one
+        self._conn = fairy.dbapi_connection
+        return self._conn
+
+    def _abort(self, conn: Any, e: BaseException) -> None:
+        dialect = self._engine.dialect
+        driver_error = dialect.loaded_dbapi.Error
+        gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
+        if isinstance(e, DBAPIError):
+            gone = gone or e.connection_invalidated
+        if not gone:
+            try:
+                conn.rollback()
+            except driver_error:
+                gone = True
+        if gone:
+            self._conn = None
+            try:
+                conn.close()
+            except driver_error:
+                pass
+        if isinstance(e, driver_error):
+            raise DBAPIError.instance(None, None, e, driver_error, connection_invalidated=gone) from e
+
+    def close(self, *, final: bool = True) -> None:
+        """Close the connection (waiting for a transaction on it to end); ``final``: for good,
+        else (before a ``fork()``) the next transaction opens a new one."""
+        with self._lock:
+            self.closed = self.closed or final
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+
+    def after_fork(self) -> None:
+        """In a forked child: close the parent's connection, if one was inherited (see
+        ``Dialect.close_inherited``: safe, and needed, for SQLite), and start afresh (a thread
+        of the parent that held the lock at the fork does not exist here)."""
+        self._lock = threading.Lock()
+        self._forget()
+
+    def _forget(self) -> None:
+        conn, self._conn, self._pid = self._conn, None, os.getpid()
+        if conn is not None:
+            try:
+                conn.close()
+            except self._engine.dialect.loaded_dbapi.Error:
+                pass
+
+
+class Busy:
+    """:meth:`HotConnection.transaction`'s answer when it ran nothing: use the pool."""
+
+
+BUSY = Busy()
 
 
 @contextmanager

@@ -72,20 +72,31 @@ class Holdings:
 
     def hand_out(self, n: int) -> list[WorkItem]:
         """Up to ``n`` (at least 1) buffered items, now handed out."""
-        got = [self.buffer.popleft() for _ in range(min(max(1, n), len(self.buffer)))]
+        recent = self._recent
+        if n <= 1:  # take(): the hot path, once per item
+            item = self.buffer.popleft()
+            self.out[item.item_id] = item
+            recent[item] = item
+            recent.move_to_end(item)
+            if len(recent) > RECENT:
+                recent.popitem(last=False)
+            self.handed = 1
+            return [item]
+        got = [self.buffer.popleft() for _ in range(min(n, len(self.buffer)))]
         for item in got:
             self.out[item.item_id] = item
-            self._recent[item] = item
-            self._recent.move_to_end(item)
-        while len(self._recent) > RECENT:
-            self._recent.popitem(last=False)
+            recent[item] = item
+            recent.move_to_end(item)
+        while len(recent) > RECENT:
+            recent.popitem(last=False)
         self.handed = len(got)
         return got
 
     def ack_out(self) -> None:
         """Everything handed out is finished (``auto_complete``): acknowledge it next."""
-        self.acks.update(self.out)
-        self.out.clear()
+        if self.out:
+            self.acks.update(self.out)
+            self.out.clear()
 
     def send_acks(self) -> list[WorkItem]:
         """The acknowledgements for the next transaction, taken off the book while in flight

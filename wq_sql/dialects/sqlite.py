@@ -151,6 +151,7 @@ _FIRST = 1  # ticket t waits and holds its turn on byte _FIRST + t (a lock range
 _FLOCK = struct.Struct("hhqqi")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD)
 _warned: set[str] = set()
 _held = threading.local()  # the lock files whose turn this thread holds (nested transactions)
+_NESTED = -1  # WriterQueue.enter(): no turn taken (held already, or no lock file)
 
 
 class WriterQueue:
@@ -171,6 +172,7 @@ class WriterQueue:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._key = str(path)
         self._pid = os.getpid()
         self._idle: list[int] = []  # descriptors of the lock file, holding no lock
         self._mu = threading.Lock()
@@ -182,11 +184,19 @@ class WriterQueue:
         """Hold this writer's turn: enter before ``BEGIN IMMEDIATE``, leave after ``COMMIT`` or
         ``ROLLBACK``. A thread that holds the turn already (a transaction inside another) gets
         it again at once: waiting would wait for itself."""
-        held: set[str] = _held.__dict__.setdefault("files", set())
-        key = str(self.path)
-        if key in held:
+        fd = self.enter()
+        try:
             yield
-            return
+        finally:
+            self.leave(fd)
+
+    def enter(self) -> int:
+        """:meth:`turn` without a context manager (the hot path's transaction is a plain
+        ``try``): wait for this writer's turn; returns what :meth:`leave` takes."""
+        held: set[str] = _held.__dict__.setdefault("files", set())
+        key = self._key
+        if key in held:
+            return _NESTED
         fd = self._descriptor()
         if fd is not None:
             try:
@@ -199,14 +209,16 @@ class WriterQueue:
                 os.close(fd)
                 raise
         if fd is None:  # no lock file: SQLite's busy handler alone
-            yield
-            return
+            return _NESTED
         held.add(key)
-        try:
-            yield
-        finally:
-            held.discard(key)
-            self._give_back(fd)
+        return fd
+
+    def leave(self, fd: int) -> None:
+        """End the turn :meth:`enter` returned ``fd`` for."""
+        if fd == _NESTED:
+            return
+        _held.files.discard(self._key)
+        self._give_back(fd)
 
     def _descriptor(self) -> Optional[int]:
         with self._mu:
@@ -238,7 +250,7 @@ class WriterQueue:
 
     def _give_back(self, fd: int) -> None:
         try:
-            _lock(fd, fcntl.F_UNLCK, 0, 0)  # the whole file: this writer's byte
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _UNLOCK_ALL)  # the whole file: this writer's byte
         except OSError:
             os.close(fd)
             return
@@ -257,11 +269,21 @@ class WriterQueue:
             os.close(fd)
 
 
+def _request(kind: int, start: int, length: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0) + bytes(8)
+
+
+if fcntl is not None and hasattr(fcntl, "F_OFD_SETLKW"):
+    _MUTEX_LOCK = _request(fcntl.F_WRLCK, _MUTEX, 1)
+    _MUTEX_UNLOCK = _request(fcntl.F_UNLCK, _MUTEX, 1)
+    _UNLOCK_ALL = _request(fcntl.F_UNLCK, 0, 0)
+
+
 def _lock(fd: int, kind: int, start: int, length: int, wait: bool = False) -> None:
     """An OFD lock (``kind``: F_RDLCK, F_WRLCK or F_UNLCK) on ``length`` bytes from ``start``
     (0: to the end of the file and beyond); ``wait``: block until it is granted."""
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
-                _FLOCK.pack(kind, os.SEEK_SET, start, length, 0) + bytes(8))
+                _request(kind, start, length))
 
 
 def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
@@ -276,7 +298,8 @@ def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
 
 
 def _take_turn(fd: int) -> None:
-    _lock(fd, fcntl.F_WRLCK, _MUTEX, 1, wait=True)
+    # The mutex's lock and unlock are the same two requests every time: packed once.
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _MUTEX_LOCK)
     try:
         raw = os.pread(fd, 8, 0)
         ticket = int.from_bytes(raw, "little") if len(raw) == 8 else 0
@@ -284,7 +307,7 @@ def _take_turn(fd: int) -> None:
         _lock(fd, fcntl.F_WRLCK, _FIRST + ticket, 1, wait=True)
         os.pwrite(fd, (ticket + 1).to_bytes(8, "little"), 0)
     finally:
-        _lock(fd, fcntl.F_UNLCK, _MUTEX, 1)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _MUTEX_UNLOCK)
     # Read locks wait for the write locks of the turns without conflicting with other waiters;
     # they stay until this turn ends (no writer locks those bytes again). First the writer two
     # ahead, then every one before it (at once, unless one died while waiting: its byte was free
