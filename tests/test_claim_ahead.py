@@ -170,3 +170,20 @@ def test_items_claimed_ahead_go_back_once_the_worker_stops_taking(db_url: str) -
         kinds = kinds.scalars().all()
     engine.dispose()
     assert kinds == ["claim", "release", "claim", "done"], kinds
+
+
+def test_a_kick_with_too_few_places_free_wakes_no_refill_thread(db_url: str) -> None:
+    name = "kick"
+    with WorkQueue([f"w{i}" for i in range(20)], url=db_url, name=name, lease_ahead=4,
+                   claim_ahead=False) as wq:
+        wq.take()  # one round of 4: 3 buffered, 1 handed out
+        assert wq.buffered == 3
+        wq.refill_soon(2)  # one place free: nothing to claim, no thread woken (or started)
+        assert not [t for t in threading.enumerate() if t.name == f"wq_sql-refill-{name}"]
+        wq.take()
+        wq.take()  # 1 buffered: three places free
+        wq.refill_soon(2)
+        deadline = time.monotonic() + 30
+        while wq.buffered < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert wq.buffered == 4

@@ -65,14 +65,15 @@ def test_a_slow_round_trip_claims_enough_to_keep_up() -> None:
 
 
 def claims(s: Sizer, rounds: int, peers: int, per_item: float, total: int, t: float = 0.0,
-           pos: int = 0) -> tuple[float, int]:
+           pos: int = 0, trip: float = 0.0001) -> tuple[float, int]:
     """``rounds`` claim rounds of this worker, each of ``s.size`` items used in ``per_item`` s
-    each, while ``peers`` other workers as fast as this one claim one item per ``per_item``."""
+    each, while ``peers`` other workers as fast as this one claim one item per ``per_item``;
+    a claim round takes ``trip`` seconds."""
     for _ in range(rounds):
         n = min(s.size, total - pos)
         if n <= 0:
             break
-        s.claimed(0.001, t, pos, pos + n - 1, n, total)
+        s.claimed(trip, t, pos, pos + n - 1, n, total)
         for _ in range(n):
             s.called(t)
             s.handed_out(t, 1)
@@ -93,6 +94,35 @@ def test_near_the_end_rounds_shrink_to_one_item_when_peers_share_the_queue() -> 
         seen.append((100_000 - pos, s.size))
     # a round covers at most 1/TAIL of the time left: one item once the pool needs < TAIL items' time
     assert all(size <= max(1, left / 8 / TAIL * 1.5) for left, size in seen[-20:]), seen[-20:]
+    assert seen[-1][1] == 1
+
+
+def drain(s: Sizer, peers: int, per_item: float, total: int, trip: float) -> list[tuple[int, int]]:
+    """(items left, size) after each of this worker's rounds until the queue is claimed."""
+    t, pos, seen = 0.0, 0, []
+    while pos < total:
+        t, pos = claims(s, 1, peers, per_item, total, t, pos, trip)
+        seen.append((total - pos, s.size))
+    return seen
+
+
+def test_the_end_keeps_rounds_of_tail_round_trips_when_items_are_shorter_than_a_round_trip() -> None:
+    # A DataLoader worker and its peer reading files in 0.2 ms each, a round trip of 1 ms: the
+    # rounds stop shrinking at TAIL round trips' worth (16 ms: 80 items), not one item each.
+    seen = drain(Sizer(None), 1, 0.0002, 20_000, 0.001)
+    floor = int(TAIL * 0.001 / 0.0002)
+    assert min(size for _, size in seen[10:]) == floor, seen
+    bare = Sizer(None)
+    bare_seen = drain(bare, 1, 0.0002, 20_000, 0.0)  # no round trip: no floor, one item at the end
+    assert bare_seen[-1][1] == 1
+    assert len(seen) < len(bare_seen) / 2, (len(seen), len(bare_seen))
+
+
+def test_items_longer_than_the_floor_still_end_in_rounds_of_one_item() -> None:
+    # 8 workers, 20 ms training steps, a slow round trip of 1 ms: the floor (16 ms) is under
+    # one item, so the long tail's end is as before.
+    seen = drain(Sizer(None), 7, 0.020, 4_000, 0.001)
+    assert max(size for _, size in seen) == int(AHEAD_SECONDS / 0.020)
     assert seen[-1][1] == 1
 
 

@@ -318,9 +318,7 @@ class WorkQueue:
         """Top the buffer up in a background thread now (:meth:`prefetch` with ``min_claim``),
         again while rounds claim: for a consumer that pulls items in a pipeline, after each
         hand-out. :meth:`stop_refills` stops it; the next call starts it again."""
-        r = self._d.refills()
-        if r is not None:
-            r.kick(min_claim)
+        self._d.refill_soon(min_claim)
 
     def stop_refills(self) -> None:
         """Claim nothing ahead until the next hand-out: the refill thread stops (the next
