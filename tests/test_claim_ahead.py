@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from conftest import ROOT
 
 from wq_sql import QueueExhausted, WorkQueue
+from wq_sql.claim import ClaimRound
 from wq_sql.engine import resolve_url
 
 
@@ -27,22 +28,24 @@ def states(url: str) -> collections.Counter[str]:
     return collections.Counter(f"{s}/{a}" for s, a in rows)
 
 
-def record_rounds(wq: WorkQueue) -> list[tuple[float, str]]:
-    """(time, thread name) of every transaction the queue object runs from now on: each takes a
-    connection from its engine's pool (claim rounds included)."""
+def record_rounds(wq: WorkQueue, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, str]]:
+    """(time, thread name) of every claim round run from now on (``ClaimRound.run``: on SQLite
+    it runs on a connection kept out of the pool, so the pool's checkouts do not show it)."""
     rounds: list[tuple[float, str]] = []
+    real = ClaimRound.run
 
-    def recorded(*args: Any) -> None:
+    def run(self: ClaimRound, *args: Any, **kwargs: Any) -> Any:
         rounds.append((time.monotonic(), threading.current_thread().name))
+        return real(self, *args, **kwargs)
 
-    sa.event.listen(wq.engine, "checkout", recorded)
+    monkeypatch.setattr(ClaimRound, "run", run)
     return rounds
 
 
-def test_take_finds_the_next_item_claimed_just_in_time(db_url: str) -> None:
+def test_take_finds_the_next_item_claimed_just_in_time(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     wq = WorkQueue([f"w{i}" for i in range(12)], shuffle=False, url=db_url, claim_ahead=True,
                    heartbeat_seconds=5)
-    rounds = record_rounds(wq)
+    rounds = record_rounds(wq, monkeypatch)
     in_take = []
     for _ in range(10):
         t = time.monotonic()
@@ -60,10 +63,10 @@ def test_take_finds_the_next_item_claimed_just_in_time(db_url: str) -> None:
     assert states(db_url) == {"done/0": 10, "pending/0": 2}  # close() gave the buffered one back
 
 
-def test_without_claim_ahead_take_claims_itself(db_url: str) -> None:
+def test_without_claim_ahead_take_claims_itself(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     wq = WorkQueue([f"w{i}" for i in range(6)], url=db_url, heartbeat_seconds=5, claim_ahead=False,
                    lease_ahead=1)
-    rounds = record_rounds(wq)
+    rounds = record_rounds(wq, monkeypatch)
     for k in range(5):
         wq.take()
         assert len(rounds) == k + 1  # one round per take() at lease-ahead 1 ...
@@ -99,12 +102,13 @@ def test_several_processes_claiming_ahead_take_every_item_once(db_url: str, tmp_
     assert states(db_url) == {"done/0": 240}
 
 
-def test_claim_ahead_with_lease_ahead_claims_a_batch_when_the_buffer_runs_out(db_url: str) -> None:
+def test_claim_ahead_with_lease_ahead_claims_a_batch_when_the_buffer_runs_out(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``lease_ahead=4`` the background claim runs once the buffer is empty and claims four
     items: about one round per four items, never a round per item."""
     wq = WorkQueue([f"w{i}" for i in range(24)], shuffle=False, url=db_url, claim_ahead=True,
                    lease_ahead=4, heartbeat_seconds=5)
-    rounds = record_rounds(wq)
+    rounds = record_rounds(wq, monkeypatch)
     for _ in range(20):
         wq.take()
         time.sleep(0.05)

@@ -1,5 +1,5 @@
 """the waiting worker's read as a server-side function (Postgres): wq_look() reads what a poll
-reads, with its plan cached per server connection
+reads, with its plan cached per server connection; wq_claim_round() stamps one time per round
 
 Revision ID: 0008
 Revises: 0007
@@ -18,10 +18,22 @@ STABLE: it reads the snapshot of the statement that calls it, as the read did wh
 derived table of the heartbeat's renewal (``wq_sql.renewal``). The text is frozen here;
 ``wq_sql.look.Look`` calls it.
 
+And ``wq_claim_round()`` (0007) again, its one change: the round's claimed rows share one time,
+taken once they are locked (its acknowledged rows another, taken when it starts), where 0007's
+``clock_timestamp()`` was read per row (the claims of one
+round got stamps microseconds apart in the order the update met the rows, so ``wq_history``
+ordered by time could show an epoch's first claim a few microseconds before the previous epoch's
+last one of the same round; SQLite's statements read one time per statement). Its text is
+0007's with that change made to it here, so the two cannot drift apart otherwise.
+
 SQLite: nothing (its read is an in-process statement, see wq_sql/look.py).
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 from alembic import op
 
@@ -60,13 +72,38 @@ def _prefix() -> str:
     return f'"{schema}".' if schema else ""
 
 
+def _v0007() -> ModuleType:
+    """Migration 0007's module (its function's frozen text)."""
+    spec = importlib.util.spec_from_file_location("wq_sql_migration_0007",
+                                                  Path(__file__).with_name("0007_claim_round_function.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def claim_round_one_stamp(text: str) -> str:
+    """0007's ``wq_claim_round()`` with one time per step: ``clock_timestamp()`` read into
+    ``v_now`` when the round starts (the acks' done_at) and again once the claim's rows are
+    locked (claimed_at and lease_until of every claimed row)."""
+    head, body = text.split("    ids bigint[];\nBEGIN\n")
+    claim = "        RETURN QUERY\n        WITH claimed AS ("
+    assert body.count("clock_timestamp()") == 3 and body.count(claim) == 1, \
+        "0007's text is not the one this was written for"
+    body = body.replace("clock_timestamp()", "v_now").replace(
+        claim, "        v_now := clock_timestamp();  -- the rows are locked: claimed now\n" + claim)
+    return head + "    ids bigint[];\n    v_now timestamptz := clock_timestamp();\nBEGIN\n" + body
+
+
 def upgrade() -> None:
     if op.get_context().dialect.name != "postgresql":
         return
     op.execute(FUNCTION.format(s=_prefix()))
+    op.execute(claim_round_one_stamp(_v0007().FUNCTION).format(s=_prefix()))
 
 
 def downgrade() -> None:
     if op.get_context().dialect.name != "postgresql":
         return
     op.execute(f"DROP FUNCTION IF EXISTS {_prefix()}{SIGNATURE}")
+    op.execute(_v0007().FUNCTION.format(s=_prefix()))

@@ -79,15 +79,20 @@ def kill_ranks_when(ranks: list[subprocess.Popen[str]], ready: Callable[[], bool
     """Once ``ready()`` (polled; no rank may end before), SIGKILL every rank's process group and
     reap it. ``what`` names the state waited for, in the failure message."""
     deadline = time.monotonic() + timeout
-    while not ready():
-        assert time.monotonic() < deadline, f"the ranks did not get {what}"
+    try:
+        while not ready():
+            assert time.monotonic() < deadline, f"the ranks did not get {what}"
+            for p in ranks:
+                assert p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.05)
+    finally:  # a failed wait kills them too: no rank outlives the test
         for p in ranks:
-            assert p.poll() is None, p.communicate()[1][-3000:]
-        time.sleep(0.05)
-    for p in ranks:
-        os.killpg(p.pid, signal.SIGKILL)
-    for p in ranks:
-        p.wait()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in ranks:
+            p.wait()
     time.sleep(0.1)
 
 
