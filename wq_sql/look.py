@@ -44,26 +44,21 @@ class Look:
 
     def __init__(self, b: Dialect, schema: Optional[str] = None) -> None:
         p = qualifier(schema)
-        self._sqlite = b.is_sqlite
-        if not b.is_sqlite:
-            # The server-side function wq_look() (migration 0008): the same read with its plan
-            # cached per server connection (planning was ~3/4 of the read's server time).
-            self.sql = f"SELECT * FROM {p}wq_look(%s, %s)"
-            return
+        now, mark = (SQLITE_NOW, "?") if b.is_sqlite else ("clock_timestamp()", "%s")
         # Index probes only: pending and claimed rows have partial indexes; the tallies are a
         # row per (epoch, worker). Parameters, in order: the queue id three times, the worker
         # id, the queue id twice. Named columns: the heartbeat's renewal reads the statement as
         # a derived table (renewal.Renewal).
         self.sql = (
-            f"SELECT EXISTS (SELECT 1 FROM wq_items WHERE queue_id = ? AND state = '{PENDING}') "
-            f"AS pending, EXISTS (SELECT 1 FROM wq_items WHERE queue_id = ? AND state = '{CLAIMED}' "
-            f"AND lease_until < {SQLITE_NOW}) AS expired, "
-            f"(SELECT count(*) FROM wq_items WHERE queue_id = ? AND worker_id = ? "
+            f"SELECT EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{PENDING}') "
+            f"AS pending, EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{CLAIMED}' "
+            f"AND lease_until < {now}) AS expired, "
+            f"(SELECT count(*) FROM {p}wq_items WHERE queue_id = {mark} AND worker_id = {mark} "
             f"AND state = '{CLAIMED}') AS mine, "
             "t.finished, t.failed, q.epochs_created, q.num_epochs "
-            "FROM wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
-            "coalesce(sum(n_failed), 0) AS failed FROM wq_tallies WHERE queue_id = ?) t "
-            "WHERE q.id = ?")
+            f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
+            f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
+            f"WHERE q.id = {mark}")
 
     def poll(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
         """What a waiting take polls."""
@@ -76,9 +71,10 @@ class Look:
         of a waiting take without holding this read."""
         return self._run(conn, prefix, qid, worker_id)
 
-    def params(self, qid: int, worker_id: int) -> list[int]:
+    @staticmethod
+    def params(qid: int, worker_id: int) -> list[int]:
         """The statement's parameters, in order."""
-        return [qid, qid, qid, worker_id, qid, qid] if self._sqlite else [qid, worker_id]
+        return [qid, qid, qid, worker_id, qid, qid]
 
     @staticmethod
     def peek(row: Optional[Sequence[Any]], qid: int) -> Peek:
