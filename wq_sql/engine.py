@@ -118,6 +118,21 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
         lock_slice=lock_slice)
 
 
+def _rolled_back_or_gone(dialect: Any, conn: Any, e: BaseException, rollback: Callable[[], object]) -> bool:
+    """After ``e`` ended a driver-level transaction on ``conn``: whether the connection is gone
+    (the driver or SQLAlchemy says so, or the rollback itself failed); else it was rolled back."""
+    driver_error = dialect.loaded_dbapi.Error
+    gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
+    if isinstance(e, DBAPIError):
+        gone = gone or e.connection_invalidated
+    if not gone:
+        try:
+            rollback()
+        except driver_error:
+            gone = True
+    return bool(gone)
+
+
 @contextmanager
 def driver_transaction(engine: Engine,
                        turn: Optional[AbstractContextManager[None]] = None) -> Iterator[Any]:
@@ -148,14 +163,7 @@ def driver_transaction(engine: Engine,
                 yield conn
                 tx.commit()
             except BaseException as e:
-                gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
-                if isinstance(e, DBAPIError):
-                    gone = gone or e.connection_invalidated
-                if not gone:
-                    try:
-                        tx.rollback()
-                    except driver_error:
-                        gone = True
+                gone = _rolled_back_or_gone(dialect, conn, e, tx.rollback)
                 if gone:
                     fairy.invalidate(e if isinstance(e, Exception) else None)
                 if isinstance(e, driver_error):
@@ -230,14 +238,7 @@ class HotConnection:
     def _abort(self, conn: Any, e: BaseException) -> None:
         dialect = self._engine.dialect
         driver_error = dialect.loaded_dbapi.Error
-        gone = isinstance(e, driver_error) and dialect.is_disconnect(e, conn, None)
-        if isinstance(e, DBAPIError):
-            gone = gone or e.connection_invalidated
-        if not gone:
-            try:
-                conn.rollback()
-            except driver_error:
-                gone = True
+        gone = _rolled_back_or_gone(dialect, conn, e, conn.rollback)
         if gone:
             self._conn = None
             try:
