@@ -221,10 +221,9 @@ class Heartbeat:
             return
         if polled is not None and r.peek is not None:
             polled(r.peek)
-        on_host = r.on_host
         if buffered:
             self._idle(t.heartbeat_seconds)
-        self.on_host = on_host or self.on_host
+        self.on_host = r.on_host or self.on_host
         if self.db.may_expire and looks_this_beat(self.on_host or 1, random.random()):
             n, on_host = return_lost(self.db, self.qid, self.me, t.max_attempts, self.queue)
             self.on_host = on_host or self.on_host
