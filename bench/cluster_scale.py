@@ -49,6 +49,7 @@ finding it by a poll; without it the bell is off behind PgBouncer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import heapq
 import logging
@@ -73,8 +74,10 @@ from pgbouncer import PgBouncer  # noqa: E402
 from pgcluster import PgCluster  # noqa: E402
 
 from wq_sql import QueueExhausted, WorkQueue  # noqa: E402
+from wq_sql.claim import ClaimRound  # noqa: E402
 
 DB = "scale"
+SERVER_CPUS, HARNESS_CPUS = {0}, {1}  # --split-cores
 POLL_SECONDS = 1.0
 
 
@@ -127,6 +130,55 @@ class CpuMeter:
         return cpu, time.monotonic() - self.t0
 
 
+def _runqueue_of(pids: list[int]) -> dict[int, float]:
+    """Seconds each pid's threads have waited on a run queue, runnable but not running
+    (``/proc/<pid>/task/*/schedstat``, second field), summed over its threads."""
+    out: dict[int, float] = {}
+    for pid in pids:
+        total = 0
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    total += int((task / "schedstat").read_text().split()[1])
+        except OSError:
+            continue
+        out[pid] = total / 1e9
+    return out
+
+
+class RunQueueMeter(CpuMeter):
+    """Like :class:`CpuMeter`, the seconds a process tree waited for a CPU while runnable: a
+    process on a crowded machine that is ready to answer but not running (PgBouncer's one
+    thread, a Postgres backend) delays every client it serves by that much."""
+
+    def start(self) -> None:
+        self.t0, self.c0 = time.monotonic(), _runqueue_of(self._pids())
+
+    def stop(self) -> tuple[float, float]:
+        c1 = _runqueue_of(self._pids())
+        return sum(v - self.c0.get(pid, 0.0) for pid, v in c1.items()), time.monotonic() - self.t0
+
+
+def _each_thread(root: int, tree: bool, do: Any) -> None:
+    """Apply ``do(tid)`` to every thread of a process tree (one level of children: the
+    postmaster's backends) that exists now; processes it forks later inherit the setting."""
+    for pid in [root, *(_children(root) if tree else [])]:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    do(int(task.name))
+
+
+def _renice(root: int, tree: bool, value: int) -> None:
+    """``--server-nice``: set the scheduling priority of a process tree."""
+    _each_thread(root, tree, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, value))
+
+
+def _pin(root: int, tree: bool, cpus: set[int]) -> None:
+    """``--split-cores``: keep a process tree on these CPUs."""
+    _each_thread(root, tree, lambda tid: os.sched_setaffinity(tid, cpus))
+
+
 # ---------------------------------------------------------------- the worker processes
 
 
@@ -146,6 +198,20 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
     queue ``idle`` and take until it ends. Puts one dict of results."""
     warn = _Count()
     logging.getLogger("wq_sql").addHandler(warn)
+    # Each claim round's time as its caller sees it (the driver call: through PgBouncer's queue,
+    # the server's work, and this process waking its thread), apart from the take() around it,
+    # which may also wait for a round already under way in the refill thread.
+    rounds: list[float] = []
+    run = ClaimRound.run
+
+    def timed_run(self: ClaimRound, *args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return run(self, *args, **kw)
+        finally:
+            if go.is_set() and not stop.is_set():
+                rounds.append(time.perf_counter() - t)
+    ClaimRound.run = timed_run  # type: ignore[method-assign]
     cpu0 = time.process_time()
     lat: list[list[float]] = [[] for _ in range(n)]
     counts = [0] * n
@@ -265,7 +331,7 @@ def _proc(url: str, first: int, n: int, item_ms: float, busy: str, idle: Optiona
              "warnings": warn.messages, "cpu_busy": cpu_busy, "cpu_idle": time.process_time() - cpu_idle0,
              "cpu_total": time.process_time() - cpu0, "t_go": t_go[0],
              "finished": [f - t_go[0] for f in finished if f], "slow_stacks": slow_stacks,
-             "slow_takes": slow_takes, "gc_pauses": gc_pauses, "lateness": lateness,
+             "slow_takes": slow_takes, "gc_pauses": gc_pauses, "lateness": lateness, "rounds": rounds,
              "enders": [(f - t_go[0], slow[k] if slow else item_ms, last_wait[k])
                         for k, f in enumerate(finished) if f]})
 
@@ -309,7 +375,8 @@ class Rig:
         self.pg.sql("CREATE EXTENSION pg_stat_statements", DB)
         self.pg.sql("CREATE EXTENSION pg_stat_statements")  # read from there: not counted in DB
         self.bouncer = PgBouncer("127.0.0.1", self.pg.port, pool_size=a.pool_size, max_client_conn=20_000,
-                                 settings={"max_db_connections": a.pool_size}).start()
+                                 settings={"max_db_connections": a.pool_size,
+                                           "stats_period": 1}).start()  # SHOW STATS totals each second
         self.url = self.bouncer.url(DB)
         if a.listen_direct:  # the doorbell's listeners connect directly (one per worker process)
             os.environ["WQ_SQL_LISTEN_URL"] = self.pg.url(DB)
@@ -338,6 +405,14 @@ class Rig:
         database (so this read and the bench's other ones are not among them)."""
         return self.pg.sql("SELECT calls, query FROM pg_stat_statements WHERE dbid = "
                            f"(SELECT oid FROM pg_database WHERE datname = '{DB}') ORDER BY calls DESC")
+
+    def bouncer_totals(self) -> tuple[int, int, int]:
+        """(transactions, microseconds its clients waited for a server connection, microseconds
+        transactions held a server connection) of DB so far:
+        PgBouncer's ``SHOW STATS`` totals (updated every ``stats_period``: 1 s in this rig)."""
+        rows = [x for x in self.bouncer.show("stats") if x["database"] == DB]
+        return (sum(int(x["total_xact_count"]) for x in rows), sum(int(x["total_wait_time"]) for x in rows),
+                sum(int(x["total_xact_time"]) for x in rows))
 
     def refused(self) -> int:
         """Clients PgBouncer turned away (its log), and server connections Postgres refused."""
@@ -419,9 +494,22 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
     join_s = time.monotonic() - t0
     harness = [CpuMeter(p.pid, False) for p in procs]
     server, bouncer = CpuMeter(rig.pg.postmaster_pid(), True), CpuMeter(rig.bouncer.pid or 0, False)
+    waits = {"server": RunQueueMeter(rig.pg.postmaster_pid(), True),
+             "bouncer": RunQueueMeter(rig.bouncer.pid or 0, False),
+             "harness": [RunQueueMeter(p.pid, False) for p in procs]}
+    if a.server_nice is not None:  # the database and its pooler ahead of the workers
+        _renice(rig.pg.postmaster_pid(), True, a.server_nice)
+        _renice(rig.bouncer.pid or 0, False, a.server_nice)
+    if a.split_cores:  # as if the database and its pooler had a machine of their own
+        _pin(rig.pg.postmaster_pid(), True, SERVER_CPUS)
+        _pin(rig.bouncer.pid or 0, False, SERVER_CPUS)
+        for p in procs:
+            _pin(p.pid or 0, False, HARNESS_CPUS)
     sampler = Sampler(rig)
     x0 = rig.xacts()
-    for m in (server, bouncer, *harness):
+    bouncer0 = rig.bouncer_totals()
+    rig.pg.sql("SELECT pg_stat_statements_reset()")
+    for m in (server, bouncer, *harness, waits["server"], waits["bouncer"], *waits["harness"]):
         m.start()
     sampler.start()
     ev["go"].set()
@@ -430,7 +518,19 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
     server_cpu, wall = server.stop()
     bouncer_cpu, _ = bouncer.stop()
     harness_cpu = sum(m.stop()[0] for m in harness)
+    server_rq, _ = waits["server"].stop()
+    bouncer_rq, _ = waits["bouncer"].stop()
+    harness_rq = sum(m.stop()[0] for m in waits["harness"])
     busy_xacts = rig.xacts() - x0
+    bouncer1 = rig.bouncer_totals()
+    rounds_server = rig.pg.sql(
+        "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0), coalesce(max(max_exec_time), 0) "
+        f"FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = '{DB}') "
+        "AND query ILIKE '%wq_claim_round(%'")[0]
+    bouncer_xacts = bouncer1[0] - bouncer0[0]
+    busy_kinds: dict[str, int] = {}
+    for calls, q in rig.statements():
+        busy_kinds[_kind(q)] = busy_kinds.get(_kind(q), 0) + int(calls)
     sampler.halt.set()
     sampler.join()
 
@@ -464,6 +564,8 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
     first = [x for r in results for x in r.get("first", ())]
     late = [x for r in results for x in r.get("lateness", ())]
     later = [x for r in results for x in r.get("later", ())]
+    rounds = [x for r in results for x in r.get("rounds", ())]
+    n_rounds_server = int(rounds_server[0])
     items = sum(r["items"] for r in results)
     errors = [e for r in results for e in r["errors"]]
     warnings = [w for r in results for w in r["warnings"]]
@@ -483,6 +585,19 @@ def run_scale(rig: Rig, n: int, a: argparse.Namespace) -> dict[str, Any]:
             "p99_later_ms": pct(later, 99) * 1e3 if later else 0.0,
             "late_p50_ms": pct(late, 50) * 1e3 if late else 0.0,
             "late_p99_ms": pct(late, 99) * 1e3 if late else 0.0,
+            # A claim round as its caller saw it, the server's time for it (pg_stat_statements),
+            # and what PgBouncer says its clients waited for a server connection, per transaction.
+            "rounds": len(rounds), "round_p50_ms": pct(rounds, 50) * 1e3 if rounds else 0.0,
+            "round_p99_ms": pct(rounds, 99) * 1e3 if rounds else 0.0,
+            "round_server_mean_ms": float(rounds_server[1]) / max(1, n_rounds_server),
+            "round_server_max_ms": float(rounds_server[2]),
+            "bouncer_wait_ms_per_xact": (bouncer1[1] - bouncer0[1]) / 1e3 / max(1, bouncer_xacts),
+            "bouncer_held_ms_per_xact": (bouncer1[2] - bouncer0[2]) / 1e3 / max(1, bouncer_xacts),
+            "bouncer_xacts_per_s": bouncer_xacts / wall,
+            "busy_per_s": {k: round(v / wall) for k, v in sorted(busy_kinds.items(), key=lambda kv: -kv[1])},
+            # Seconds spent runnable but not running, per second: the machine's queue for its CPUs.
+            "rq_server": server_rq / wall, "rq_bouncer": bouncer_rq / wall, "rq_harness": harness_rq / wall,
+            "rq_harness_per_proc": harness_rq / wall / max(1, len(procs)),
             "conns_max": max(sampler.conns or [0]), "conns_median": statistics.median(sampler.conns or [0]),
             "bouncer_waiting_max": max(sampler.waiting or [0]),
             "server_cpu": server_cpu / wall, "bouncer_cpu": bouncer_cpu / wall, "harness_cpu": harness_cpu / wall,
@@ -511,6 +626,8 @@ def _kind(q: str) -> str:
         return "begin/commit"
     if "set_config" in ql:
         return "timeouts"  # the first statement of every wq_sql transaction
+    if "wq_claim_round(" in ql:
+        return "claim"
     if ql.startswith("with w as (update wq_workers set heartbeat_at"):  # renewal.Renewal
         return "heartbeat+poll" if "epochs_created" in ql else "heartbeat"  # a waiting take's poll rode on it
     if "epochs_created" in ql and "exists" in ql:
@@ -587,6 +704,22 @@ def report_scale(runs: list[dict[str, Any]], a: argparse.Namespace) -> None:
         print(f"| {r['n']} | {r['first_share']:.3f} | {r['p99_first_ms']:.1f} | {r['p50_later_ms']:.1f} / "
               f"{r['p99_later_ms']:.1f} | {r['p99_later_ms'] / max(1e-9, ref['p99_later_ms']):.2f} "
               f"| {r['late_p50_ms']:.1f} / {r['late_p99_ms']:.1f} |")
+    print("\nwhere a later take's time goes: a claim round as the worker saw it, the server's time for the same "
+          "rounds, PgBouncer's wait for a server connection, and the seconds per second each part of the "
+          "machine spent runnable but not running (the 2 cores' queue)")
+    print("| N | claim rounds | round p50 / p99 ms (worker) | round mean / max ms (server) "
+          "| PgBouncer: transactions/s, a server connection held ms / waited for ms per transaction "
+          "| run-queue s/s: server / PgBouncer / harness (per process) |")
+    print("|---|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['n']} | {r['rounds']} | {r['round_p50_ms']:.1f} / {r['round_p99_ms']:.1f} "
+              f"| {r['round_server_mean_ms']:.2f} / {r['round_server_max_ms']:.1f} "
+              f"| {r['bouncer_xacts_per_s']:.0f}, {r['bouncer_held_ms_per_xact']:.2f} / "
+              f"{r['bouncer_wait_ms_per_xact']:.2f} | {r['rq_server']:.2f} / {r['rq_bouncer']:.3f} / "
+              f"{r['rq_harness']:.2f} ({r['rq_harness_per_proc']:.3f}) |")
+    print("\nbusy window, statements per second by kind (pg_stat_statements):")
+    for r in runs:
+        print(f"  N={r['n']}: {r['busy_per_s']}")
     print("\nidle window, statements by kind (pg_stat_statements):")
     for r in runs:
         print(f"  N={r['n']}: {r['idle_by_kind']}; top: {r['idle_top'][:3]}")
@@ -765,6 +898,12 @@ def main(argv: list[str]) -> int:
     s.add_argument("--idle-items", type=int, default=4)
     s.add_argument("--idle-warmup", type=float, default=5.0)
     s.add_argument("--idle-seconds", type=float, default=10.0)
+    s.add_argument("--split-cores", action="store_true",
+                   help="Postgres and PgBouncer on CPU 0, the worker processes on CPU 1: as if the database "
+                        "had a machine of its own (the N = 100 reference runs the same way)")
+    s.add_argument("--server-nice", type=int, default=None, metavar="NICE",
+                   help="run Postgres and PgBouncer at this nice value (root: -10 puts them ahead of the "
+                        "harness's worker processes, as if they had machines of their own)")
     t = sub.choices["tail"]
     t.add_argument("--workers", type=int, default=200)
     t.add_argument("--slow-frac", type=float, default=0.1)
