@@ -4,6 +4,7 @@ renews and what it leaves alone, the identity check, and the reads that ride on 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,11 +13,13 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 from wq_sql import WorkQueue
-from wq_sql.dialects import SQLITE_NOW, dialect_of
+from wq_sql.claim import ClaimRound
+from wq_sql.dialects import SQLITE_NOW, Dialect, dialect_of
 from wq_sql.engine import resolve_url
 from wq_sql.identity import hostname
+from wq_sql.lease import CARRY_WINDOW
 from wq_sql.look import Look
-from wq_sql.renewal import Renewal
+from wq_sql.renewal import Carry, Renewal
 
 LONG_AGO = dt.datetime(2000, 1, 1)
 
@@ -142,3 +145,100 @@ def test_the_poll_and_the_host_count_ride_on_a_renewal(db_url: str) -> None:
         with driver(db_url) as (conn, renewal, look):
             r = renewal.run(conn, "", qid, wid, inc, tokens, 120, None, 0, host="elsewhere")
         assert r.on_host == 0 and r.peek is None
+
+
+def _item(url: str, work: str) -> tuple[int, int, str, Any]:
+    """(id, token, state, lease_until) of the item of ``work``."""
+    return tuple(_rows(url, "SELECT i.id, i.token, i.state, i.lease_until FROM wq_items i JOIN wq_works w "
+                            "ON w.queue_id = i.queue_id AND w.idx = i.work_idx WHERE w.work = :w", w=work)[0])
+
+
+def _dialect(url: str) -> Dialect:
+    engine = sa.create_engine(resolve_url(url), poolclass=NullPool)
+    try:
+        return dialect_of(engine)
+    finally:
+        engine.dispose()
+
+
+def test_a_claim_round_carries_the_renewal(db_url: str) -> None:
+    """A round with a ``Carry``: the acks and claims as always, and in the same transaction the
+    worker row and the leases of the other items held; another incarnation's carry renews
+    nothing and says so, and the round's own work still happens."""
+    works = ["a1", "a2", "b1", "n1", "n2", "n3", "n4"]
+    opts = {"url": db_url, "heartbeat_seconds": 30, "lease_seconds": 120, "claim_ahead": False,
+            "shuffle": False, "auto_complete": False}
+    with WorkQueue(works, worker="A", lease_ahead=2, **opts) as a, \
+            WorkQueue(works, worker="B", lease_ahead=1, **opts) as b:
+        assert (a.take(), b.take()) == ("a1", "b1")  # A holds a1 (out) and a2 (buffered)
+        _stale(db_url)
+        _rows(db_url, "UPDATE wq_workers SET heartbeat_at = :t, buffered = 7", t=LONG_AGO)
+        qid = _rows(db_url, "SELECT id FROM wq_queues")[0][0]
+        wid, inc, tokens = _worker(db_url, "A")
+        a1_id, a1_token, _, _ = _item(db_url, "a1")
+        d = _dialect(db_url)
+        with driver(db_url) as (conn, renewal, _):
+            carry = Carry(renewal, inc, tokens, 1, 120.0, None)
+            accepted, got, by_idx = ClaimRound(d, 2, 120.0).run(conn, qid, wid, [(a1_id, a1_token)], None, "",
+                                                                carry)
+        assert carry.alive is True
+        assert accepted == {a1_id} and sorted(by_idx.values()) == ["n1", "n2"] and len(got) == 2
+        assert _item(db_url, "a1")[2] == "done"
+        assert str(_item(db_url, "a2")[3]) > "2001"  # A's other item: renewed
+        assert str(_item(db_url, "b1")[3]) < "2001"  # B's: not
+        (beat, buffered), = _rows(db_url, "SELECT heartbeat_at, buffered FROM wq_workers WHERE id = :w",
+                                  w=wid)
+        assert str(beat) > "2001" and buffered == 1
+        assert _rows(db_url, "SELECT heartbeat_at FROM wq_workers WHERE name = 'B'")[0][0] is not None
+        assert str(_rows(db_url, "SELECT heartbeat_at FROM wq_workers WHERE name = 'B'")[0][0]) < "2001"
+        assert _rows(db_url, "SELECT count(*) FROM wq_events WHERE item_id = :i AND kind = 'done'",
+                     i=a1_id)[0][0] == 1
+
+        _stale(db_url)
+        _rows(db_url, "UPDATE wq_workers SET heartbeat_at = :t", t=LONG_AGO)
+        with driver(db_url) as (conn, renewal, _):
+            carry = Carry(renewal, "another incarnation", tokens, 1, 120.0, None)
+            _, got, by_idx = ClaimRound(d, 1, 120.0).run(conn, qid, wid, [], None, "", carry)
+        assert carry.alive is False and list(by_idx.values()) == ["n3"]
+        assert str(_item(db_url, "a2")[3]) < "2001"
+        assert str(_rows(db_url, "SELECT heartbeat_at FROM wq_workers WHERE id = :w", w=wid)[0][0]) < "2001"
+
+
+def test_a_worker_that_claims_about_as_often_as_it_beats_renews_in_its_rounds(
+        db_url: str, monkeypatch: Any) -> None:
+    """A consumer taking an item every ~0.9 heartbeat periods: most beats ride on a claim round
+    (the beat itself sends no renewal), the leases and the worker row stay fresh."""
+    own: list[float] = []
+    carried: list[Carry] = []
+    run, claim = Renewal.run, ClaimRound.run
+
+    def counted_run(self: Renewal, *args: Any, **kw: Any) -> Any:
+        own.append(time.monotonic())
+        return run(self, *args, **kw)
+
+    def counted_claim(self: ClaimRound, *args: Any, **kw: Any) -> Any:
+        out = claim(self, *args, **kw)
+        c = args[6] if len(args) > 6 else kw.get("carry")
+        if c is not None:
+            carried.append(c)
+        return out
+    monkeypatch.setattr(Renewal, "run", counted_run)
+    monkeypatch.setattr(ClaimRound, "run", counted_claim)
+    beat = 0.5
+    with WorkQueue([f"w{i}" for i in range(40)], url=db_url, worker="A", lease_ahead=1, claim_ahead=False,
+                   heartbeat_seconds=beat, lease_seconds=6.0) as q:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 14 * beat:
+            q.take()
+            time.sleep(0.9 * beat)
+        beats = (time.monotonic() - t0) / beat
+        age = float(_rows(db_url, "SELECT extract(epoch FROM clock_timestamp() - heartbeat_at) "
+                                  "FROM wq_workers" if is_pg(db_url) else
+                                  "SELECT (julianday('now') - julianday(heartbeat_at)) * 86400 "
+                                  "FROM wq_workers")[0][0])
+    ok = [c for c in carried if c.alive]
+    assert ok, f"no claim round carried a renewal in {beats:.0f} periods ({len(carried)} tried)"
+    # The beats whose renewal a round carried sent none of their own (the first beat always does).
+    assert len(own) + len(ok) <= beats + 3, (len(own), len(ok), beats)
+    assert len(own) < beats - 2, (len(own), beats)
+    assert age < 3 * beat * (1 + CARRY_WINDOW), age

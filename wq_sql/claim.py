@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect, qualifier
 from wq_sql.ops import Claimed, new_token
 from wq_sql.pooling import last_rows
+from wq_sql.renewal import Carry
 from wq_sql.states import CLAIMED, DONE, EV_DONE, PENDING
 
 
@@ -101,26 +102,37 @@ class ClaimRound:
                      "%(fs)s, %(lim)s, %(ack_ids)s::bigint[], %(ack_tokens)s::bigint[])")
 
     def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-            limit: Optional[int] = None, prefix: str = "") -> tuple[set[int], list[Claimed], dict[int, str]]:
+            limit: Optional[int] = None, prefix: str = "",
+            carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
         """Claim up to ``limit`` items (default ``n``), in the transaction open on ``conn``, a
         driver connection (``engine.driver_transaction``); on Postgres also on a connection in
         autocommit mode (``engine.driver_statement``), where the round is one simple query and
         its own transaction, ``prefix`` (the statement that sets that transaction's timeouts,
-        with its ``;``) going first in the same query. Returns (ids of acks accepted, items
-        claimed in hand-out order, work by work index)."""
-        return self._run(conn, qid, worker_id, acks, new_token(), self.n if limit is None else limit, prefix)
+        with its ``;``) going first in the same query. ``carry``: the heartbeat's renewal goes
+        in the same transaction (Postgres: the same statement), its outcome set on it. Returns
+        (ids of acks accepted, items claimed in hand-out order, work by work index)."""
+        return self._run(conn, qid, worker_id, acks, new_token(), self.n if limit is None else limit, prefix,
+                         carry)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-                      token: int, n: int, prefix: str) -> tuple[set[int], list[Claimed], dict[int, str]]:
+                      token: int, n: int, prefix: str,
+                      carry: Optional[Carry]) -> tuple[set[int], list[Claimed], dict[int, str]]:
         self._rounds += 1
         floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
         fe, fs = floor or (-1, -1)
+        params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease, "fe": fe, "fs": fs, "lim": n,
+                  "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
+        sql = self._sql
+        if carry is not None:  # one more row, kind 'b': whether the renewal's worker row matched
+            ctes, more = carry.pg()
+            sql = f"{ctes}{sql} UNION ALL SELECT 'b', (SELECT count(*) FROM rw), NULL, NULL, NULL, NULL, NULL"
+            params.update(more)
         with conn.cursor() as cur:
             # rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked
-            cur.execute(prefix + self._sql, {
-                "q": qid, "w": worker_id, "t": token, "lease": self.lease, "fe": fe, "fs": fs, "lim": n,
-                "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]})
+            cur.execute(prefix + sql, params)
             rows = last_rows(cur)
+        if carry is not None:
+            carry.alive = any(r[0] == "b" and r[1] for r in rows)
         accepted = {r[1] for r in rows if r[0] == "a"}
         got = [r for r in rows if r[0] == "c"]
         if n:  # a round that only acknowledges (limit 0) says nothing about where claims start
@@ -130,7 +142,8 @@ class ClaimRound:
         return accepted, claimed, {r[4]: r[6] for r in got}
 
     def _run_sqlite(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
-                    token: int, n: int, prefix: str = "") -> tuple[set[int], list[Claimed], dict[int, str]]:
+                    token: int, n: int, prefix: str = "",
+                    carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
         params: tuple[Any, ...]
         # Errors are re-raised as SQLAlchemy's, with the statement, so the caller's retry of
         # "database is locked" applies unchanged.
@@ -170,6 +183,8 @@ class ClaimRound:
             raise DBAPIError.instance(sql, params, e, sqlite3.Error) from e
         finally:
             cur.close()
+        if carry is not None:
+            carry.run_sqlite(conn, qid, worker_id)
         if len(rows) > 1:
             rows.sort(key=_EPOCH_SEQ)  # hand-out order
         return ({r[0] for r in done}, [Claimed(r[0], r[1], r[2], r[3], token, r[4]) for r in rows],

@@ -27,6 +27,7 @@ from wq_sql.holdings import Holdings, WorkItem
 from wq_sql.lease import Member
 from wq_sql.look import Look, Peek
 from wq_sql.pacer import Pace, Refiller, Sizer
+from wq_sql.renewal import Carry
 from wq_sql.weak import weak_method
 
 log = logging.getLogger("wq_sql")
@@ -111,6 +112,12 @@ class Dispenser:
         # When this worker's next heartbeat is due (set once the heartbeat runs): a poll due
         # shortly before it waits for it instead (_poll_until).
         self.beat_due: Callable[[], Optional[float]] = lambda: None
+        # The heartbeat's renewal that a claim round may carry (lease.Heartbeat.carry), asked
+        # with the usual spacing of this worker's rounds (seconds, smoothed; None until known).
+        self.beat_carry: Callable[[Optional[float], Callable[[], tuple[set[int], int]]],
+                                  Optional[Carry]] = lambda gap, held: None
+        self._round_at = 0.0
+        self._round_gap: Optional[float] = None
 
     def check_usable(self) -> None:
         if self.closed:
@@ -415,8 +422,14 @@ class Dispenser:
         items join the buffer. Returns how many."""
         keys = [a.key for a in acks]
         t = time.monotonic()
+        if self._round_at:
+            gap = t - self._round_at
+            self._round_gap = gap if self._round_gap is None else 0.7 * self._round_gap + 0.3 * gap
+        self._round_at = t
+        carry = self.beat_carry(self._round_gap, self._held) if limit else None
         accepted, got, works = self.db.driver_round(
-            lambda conn, prefix: self.round.run(conn, self.qid, self.member.worker_id, keys, limit, prefix))
+            lambda conn, prefix: self.round.run(conn, self.qid, self.member.worker_id, keys, limit, prefix,
+                                                carry))
         if limit:
             self.drained = len(got) < limit
         if got:
@@ -546,6 +559,11 @@ class Dispenser:
         self.deafen()
         return True
 
+    def _held(self) -> tuple[set[int], int]:
+        """The tokens of the items held and how many are buffered (a carried renewal's)."""
+        with self.lock:
+            return self.book.tokens(), len(self.book.buffer)
+
     def holding(self, stop: threading.Event) -> Optional[tuple[set[int], int]]:
         """For the heartbeat: the tokens of the items held, and how many are buffered; None once
         closed (or in a forked child that has not re-registered yet)."""
@@ -574,6 +592,7 @@ class Dispenser:
         self.drained = False
         self.pace = Pace()
         self.sizer = Sizer(self.rules.lease_ahead)
+        self._round_at, self._round_gap = 0.0, None
         self.book.clear()
 
     def fresh_locks(self) -> None:

@@ -260,6 +260,7 @@ class WorkQueue:
                                     renewal=Renewal(self._db.dialect, d.look, self._opts.schema),
                                     ride=weak_method(d.ride_beat, None))
         d.beat_due = self._heartbeat.next_due
+        d.beat_carry = self._heartbeat.carry
 
     # ------------------------------------------------------------------ taking
 

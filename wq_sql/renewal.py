@@ -46,9 +46,43 @@ class Renewed:
     on_host: Optional[int] = None
 
 
+@dataclass
+class Carry:
+    """A renewal that a claim round carries instead of the heartbeat's own transaction
+    (``lease.Heartbeat.carry``): this incarnation's worker row and the leases of ``tokens``
+    (the items held when the round began; the round's own acks are left out by id, its claims
+    come with fresh leases). The round sets ``alive``: True when it renewed, False when another
+    process holds the identity (nothing renewed; the heartbeat's own beat then finds it out)."""
+
+    renewal: Renewal
+    incarnation: str
+    tokens: list[int]
+    buffered: int
+    lease: float
+    most: Optional[float]
+    at: float = 0.0  # when the round began (time.monotonic())
+    alive: Optional[bool] = None
+
+    def pg(self) -> tuple[str, dict[str, Any]]:
+        """Postgres: the data-modifying CTEs to put before the round's ``SELECT`` (their names
+        ``rw`` and ``ri``) and their parameters; the round's own ``%(w)s``, ``%(q)s`` and
+        ``%(ack_ids)s`` are used too."""
+        return self.renewal.carried_pg, {"rb_buffered": self.buffered, "rb_inc": self.incarnation,
+                                         "rb_lease": self.lease, "rb_tokens": self.tokens,
+                                         "rb_most": self.most}
+
+    def run_sqlite(self, conn: Any, qid: int, worker_id: int) -> None:
+        """SQLite: in the round's write transaction, after its acks (done rows are no longer
+        ``claimed``: the renewal's filter leaves them)."""
+        r = self.renewal._run(conn, "", qid, worker_id, self.incarnation, self.tokens, self.lease, self.most,
+                              self.buffered, False, None)
+        self.alive = r.alive
+
+
 class Renewal:
     """The renewal of one queue object's worker, built once per queue object for its dialect
-    and schema; run on a driver connection (``Db.driver_round``)."""
+    and schema; run on a driver connection (``Db.driver_round``), or carried by a claim round
+    (:class:`Carry`)."""
 
     def __init__(self, b: Dialect, look: Look, schema: Optional[str] = None) -> None:
         p = qualifier(schema)
@@ -78,6 +112,17 @@ class Renewal:
             "RETURNING 1) "
             "SELECT (SELECT count(*) FROM w){host}{peek}")
         self._pg_host = f", ({self._host.format(m='%s')})"
+        # The same two updates with named parameters, as CTEs a claim round's statement begins
+        # with (Carry.pg); the items its acks end are left to the round.
+        self.carried_pg = (
+            f"WITH rw AS (UPDATE {p}wq_workers SET heartbeat_at = clock_timestamp(), "
+            "buffered = %(rb_buffered)s WHERE id = %(w)s AND incarnation = %(rb_inc)s RETURNING id), "
+            f"ri AS (UPDATE {p}wq_items "
+            "SET lease_until = clock_timestamp() + %(rb_lease)s * interval '1 second' "
+            f"WHERE queue_id = %(q)s AND worker_id = (SELECT id FROM rw) AND state = '{CLAIMED}' "
+            "AND token = ANY(%(rb_tokens)s::bigint[]) AND id <> ALL(%(ack_ids)s::bigint[]) "
+            "AND (%(rb_most)s::float8 IS NULL "
+            "OR claimed_at > clock_timestamp() - %(rb_most)s * interval '1 second') RETURNING 1) ")
 
     def run(self, conn: Any, prefix: str, qid: int, worker_id: int, incarnation: str, tokens: Sequence[int],
             lease_seconds: float, max_item_seconds: Optional[float], buffered: int, *,
