@@ -294,13 +294,8 @@ class WorkQueue:
         except QueueExhausted:
             return np.array([], dtype=object)
         # The core's refill thread tops its buffer up again, off the pipeline's path, once at
-        # least half of lease_ahead places are free (one round trip claims several items); a
-        # quarter when the buffer cannot fill the next hand-out: while lease_ahead grows, a
-        # hand-out that left a few items in the buffer kicked nothing at half, the next one took
-        # those few and kicked a round of hundreds, and the pipeline read the few and waited for
-        # that round (bench/tf_probe.py --trace, Postgres: 10 ms waits on rounds of ~300).
-        k = max(1, (self.queue.lease_ahead + 1) // 2)
-        self.queue.refill_soon(k if self.queue.buffered >= k else max(1, k // 2))
+        # least half of lease_ahead places are free (one round trip claims several items).
+        self.queue.refill_soon(max(1, (self.queue.lease_ahead + 1) // 2))
         return np.array([item.encode("utf-8") for item in items], dtype=object)
 
     # ------------------------------------------------------------------ DeepRec's API
