@@ -94,7 +94,6 @@ class Dispenser:
         self.pace = Pace()                          # how often this worker takes items
         self.sizer = Sizer(rules.lease_ahead)       # how many items a round claims
         self.refiller: Optional[Refiller] = None   # refills the buffer in the background
-        self.kicks = False                          # the consumer calls refill_soon() (no due times)
         self.pid = os.getpid()
         # The doorbell (bell.py): rings of this queue heard so far, and how to stop hearing them
         # (subscribed at the first wait, so a worker that never waits opens no listener).
@@ -146,12 +145,7 @@ class Dispenser:
                     self.sizer.handed_out(now, len(got))
                     # Claim ahead only once the buffer is empty: a round then claims up to
                     # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
-                    # Not for a consumer that refills with kicks (refill_soon() after each
-                    # hand-out: the TF pipeline, a DataLoader worker): its kick claims as soon as
-                    # half the round's places are free, and a due-time round beside it claimed the
-                    # one or two places left (bench/tf_probe.py --trace: 1-item rounds among the
-                    # pipeline's, and hand-outs that waited for one to land and got one item).
-                    r = (self.refills() if self.rules.claim_ahead and not self.kicks and not book.buffer
+                    r = (self.refills() if self.rules.claim_ahead and not book.buffer
                          and self.sizer.ahead_helps() else None)
                     if r is not None:
                         r.schedule(self.pace)
@@ -494,7 +488,6 @@ class Dispenser:
         only wakes the refill thread to do nothing (most hand-outs of a pipeline: a DataLoader
         worker's pass had ~90 such wake-ups): the next hand-out kicks again. Read without the
         lock: a stale answer costs one wake-up too many, or waits for the next hand-out."""
-        self.kicks = True
         if not self.filling and self.room() < max(1, min_claim):
             return
         r = self.refills()

@@ -317,8 +317,7 @@ class WorkQueue:
     def refill_soon(self, min_claim: int = 1) -> None:
         """Top the buffer up in a background thread now (:meth:`prefetch` with ``min_claim``),
         again while rounds claim: for a consumer that pulls items in a pipeline, after each
-        hand-out. :meth:`stop_refills` stops it; the next call starts it again. Once it was
-        called, ``claim_ahead`` schedules no due-time claims of its own: the kicks refill."""
+        hand-out. :meth:`stop_refills` stops it; the next call starts it again."""
         self._d.refill_soon(min_claim)
 
     def stop_refills(self) -> None:
