@@ -10,7 +10,8 @@ Each run reads every line once, batched (``--batch``, as a training input pipeli
 times from the first pull to the end of the stream (the pull that raises ``StopIteration``);
 setting up the queue (inserting the works) is not timed, and neither is deleting the iterator
 after it, which is printed on its own ("teardown"): in TensorFlow 2.21 a finished iterator's
-destructor waits, in about a third of the runs of either side, for tf.data's autotuner thread
+destructor waits, in many runs of either side (here 30-45% of the plain runs, 0-20% of wq_sql's,
+varying from session to session), for tf.data's autotuner thread
 to wake at its next optimization tick, 10 * (2**k - 1) ms after the iterator was made (0.31,
 0.63, 1.27, 2.55 s...): the cancellation's wake-up reaches that thread before
 ``CancellationManager::IsCancelled()`` turns true (it is set only after the callbacks ran), so
