@@ -7,21 +7,30 @@ measured alternately in the same run (issue 3's target: at least 0.9x).
     .venv/bin/python bench/tf_textline.py --lease-ahead default --json out.json   # the shim's defaults
 
 Each run reads every line once, batched (``--batch``, as a training input pipeline would), and
-times from the first pull to the end of the stream; setting up the queue (inserting the works)
-is not timed. Every wq_sql run uses a fresh queue (a new name, dropped afterwards). Reported:
+times from the first pull to the end of the stream (the pull that raises ``StopIteration``);
+setting up the queue (inserting the works) is not timed, and neither is deleting the iterator
+after it, which is printed on its own ("teardown"): in TensorFlow 2.21 a finished iterator's
+destructor waits, in many runs of either side (here 30-45% of the plain runs, 0-20% of wq_sql's,
+varying from session to session), for tf.data's autotuner thread
+to wake at its next optimization tick, 10 * (2**k - 1) ms after the iterator was made (0.31,
+0.63, 1.27, 2.55 s...): the cancellation's wake-up reaches that thread before
+``CancellationManager::IsCancelled()`` turns true (it is set only after the callbacks ran), so
+the thread sleeps on. Timed with the loop, that wait made both sides bimodal (the "slow mode":
+runs ending at exactly those ticks, e.g. both 1,000-line medians at 2.56 s in the 12:14 UTC
+headline run of 2026-11-26); it is paid once per iterator, not per record, and is no part of
+either pipeline. Every wq_sql run uses a fresh queue (a new name, dropped afterwards). Reported:
 the median seconds of each side over ``--runs`` runs and ratio = median(plain) / median(wq_sql)
-(records/s of wq_sql over records/s of plain), the verdict; and the ratio of the fastest runs
-(tf.data's autotuner puts about a third of the runs of either side, here, in a slow mode that
-takes ~0.31 s whatever the pipeline: the best runs compare the pipelines without it). The
-machines here are shared: read ratios, not absolute numbers.
+(records/s of wq_sql over records/s of plain), the verdict; the ratio of the fastest runs; and
+the teardowns' median and longest. The machines here are shared: read ratios, not absolute
+numbers.
 
 ``--burner DUTY`` adds a third side as a yardstick: plain ``TextLineDataset(files)`` while a
 thread that holds no lock (SHA-256 in C, which releases the GIL) keeps DUTY of one core busy in
 0.6 ms bursts, i.e. the CPU that wq_sql's claim-ahead thread spends beside the pipeline, without
 any database. ``--structure`` adds another: ``input_dataset``'s own pipeline (the same ops and
 hand-out size) fed from a Python list, i.e. what its shape costs without the queue.
-``--no-autotune`` turns tf.data's autotuner off on every side (no slow mode; the
-pipelines' own costs, compared without it).
+``--no-autotune`` turns tf.data's autotuner off on every side (the pipelines' own costs,
+compared without it; no teardown wait either).
 """
 
 from __future__ import annotations
@@ -62,16 +71,26 @@ def write_files(directory: Path, n_files: int, n_lines: int) -> list[str]:
 AUTOTUNE = True  # --no-autotune: both sides without tf.data's autotuner
 
 
+TEARDOWNS: list[float] = []  # seconds to delete each timed iterator (see the module docstring)
+
+
 def consume(ds: tf.data.Dataset) -> tuple[int, float]:
+    """Records read and seconds from the first pull to the end of the stream; the iterator's
+    deletion after it goes to TEARDOWNS."""
     if not AUTOTUNE:
         options = tf.data.Options()
         options.autotune.enabled = False
         ds = ds.with_options(options)
     start = time.perf_counter()
     n = 0
-    for batch in ds:
+    iterator = iter(ds)
+    for batch in iterator:
         n += int(batch.shape[0])
-    return n, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    del iterator
+    TEARDOWNS.append(time.perf_counter() - end)
+    return n, seconds
 
 
 def run_plain(paths: list[str], batch: int) -> tuple[int, float]:
@@ -192,13 +211,16 @@ def main() -> None:
         results: list[dict[str, Any]] = []
         for lease_ahead in args.lease_ahead:
             plain, ours, burning, shaped = [], [], [], []
+            plain_td, ours_td = [], []
             for _ in range(args.runs):
                 n, s = run_plain(paths, args.batch)
                 assert n == expected, (n, expected)
                 plain.append(s)
+                plain_td.append(TEARDOWNS[-1])
                 n, s = run_wq(paths, args.batch, url, lease_ahead)
                 assert n == expected, (n, expected)
                 ours.append(s)
+                ours_td.append(TEARDOWNS[-1])
                 if args.burner:
                     n, s = run_plain_burning(paths, args.batch, args.burner)
                     assert n == expected, (n, expected)
@@ -218,10 +240,14 @@ def main() -> None:
             if burning:
                 line += (f"  | plain beside a {args.burner:.0%} burner: {p / statistics.median(burning):.2f}x "
                          f"(best {min(plain) / min(burning):.2f}x)")
+            line += (f"  | iterator teardown (not timed) plain {statistics.median(plain_td) * 1e3:.0f} ms "
+                     f"(longest {max(plain_td) * 1e3:.0f}), wq_sql {statistics.median(ours_td) * 1e3:.0f} ms "
+                     f"(longest {max(ours_td) * 1e3:.0f})")
             print(line, flush=True)
             results.append({"backend": url.split(":", 1)[0].split("+")[0], "files": args.files,
                             "lines": args.lines, "lease_ahead": shown, "autotune": AUTOTUNE,
-                            "plain_s": plain, "wq_sql_s": ours, "burner_s": burning, "structure_s": shaped,
+                            "plain_s": plain, "wq_sql_s": ours,
+                            "plain_teardown_s": plain_td, "wq_sql_teardown_s": ours_td, "burner_s": burning, "structure_s": shaped,
                             "ratio": p / o, "best_ratio": min(plain) / min(ours),
                             "load": os.getloadavg()[0]})
         if args.json:

@@ -159,3 +159,20 @@ def test_input_dataset_prefetches_in_the_background_within_lease_ahead(url: str,
     wq.close()
     assert states_of(url, "work_queue", "w") == {"done": 20}
     assert not [t for t in threading.enumerate() if t.name.startswith("wq_sql-refill") and t not in before]
+
+
+def test_input_dataset_ends_on_the_takes_out_of_range_and_keeps_its_cardinality_unknown(url: str) -> None:
+    """On the tested TensorFlow the hand-outs' map ends where the take raises OutOfRangeError
+    (``wq_sql.tf._ending_map``, a private TF class: the public ``take_while`` form is the
+    fallback); the pipeline still reads every work once, ends, and a new iterator ends at once."""
+    from wq_sql import tf as wq_tf
+
+    assert wq_tf._ending_map(tf.data.Dataset.from_tensors(0).repeat(), lambda x: x) is not None
+    works = [f"w{i}" for i in range(7)]
+    wq = WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=4)
+    ds = wq.input_dataset()
+    assert ds.cardinality().numpy() == tf.data.UNKNOWN_CARDINALITY  # not "infinite": Keras' fit needs that
+    assert [x.numpy().decode() for x in ds] == works
+    assert list(ds) == []
+    wq.close()
+    assert states_of(url, "work_queue", "w") == {"done": 7}
