@@ -118,6 +118,48 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
         lock_slice=lock_slice)
 
 
+# Engines made ahead in a process that forks worker processes (a DataLoader's main process):
+# make_engine's arguments -> (the process that made it, the engine). See keep_for_children.
+_spares: dict[tuple[Any, ...], tuple[int, Engine]] = {}
+
+
+def _spare_key(url: URL, options: dict[str, Any]) -> tuple[Any, ...]:
+    return (url.render_as_string(hide_password=False), *sorted(options.items()))
+
+
+def keep_for_children(url: URL, **options: Any) -> None:
+    """In a process about to fork worker processes that open ``url`` with
+    ``make_engine(url, **options)`` (the DataLoader's main process, ``wq_sql.torch``): make
+    that engine now, connect it once so that SQLAlchemy initialises its dialect (server version,
+    ...), and keep it without any connection, for :func:`worker_engine` in each forked child.
+    A DataLoader worker otherwise spent 5-7 ms of CPU making its engine and initialising the
+    dialect on its first connection (``bench/torch_phases.py``), every pass unless its workers
+    are persistent. No connection crosses the fork: the kept engine's pool is empty."""
+    key = _spare_key(url, options)
+    kept = _spares.get(key)
+    if kept is not None and kept[0] == os.getpid():
+        return
+    engine = make_engine(url, **options)
+    with opening(url):
+        engine.connect().close()
+    engine.dispose()  # closes that connection: the pool the children inherit is empty
+    _spares[key] = (os.getpid(), engine)
+
+
+def worker_engine(url: URL, **options: Any) -> Engine:
+    """``make_engine(url, **options)``, or the engine a parent process kept for its children
+    (:func:`keep_for_children`): the first caller in a forked child takes it, with a pool of its
+    own; the process that kept it keeps it for its next children."""
+    key = _spare_key(url, options)
+    kept = _spares.get(key)
+    if kept is not None and kept[0] != os.getpid():
+        del _spares[key]
+        engine = kept[1]
+        engine.dispose(close=False)  # a new pool (the inherited one is empty, never used here)
+        return engine
+    return make_engine(url, **options)
+
+
 def _rolled_back_or_gone(dialect: Any, conn: Any, e: BaseException, rollback: Callable[[], object]) -> bool:
     """After ``e`` ended a driver-level transaction on ``conn``: whether the connection is gone
     (the driver or SQLAlchemy says so, or the rollback itself failed); else it was rolled back."""

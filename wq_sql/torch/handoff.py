@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from wq_sql.errors import InvalidInput, QueueEmpty, QueueExhausted
 from wq_sql.ledger import Ledger, Mark
-from wq_sql.queue import WorkItem, WorkQueue
+from wq_sql.queue import WorkItem, WorkQueue, prepare_children
 
 log = logging.getLogger("wq_sql")
 
@@ -74,6 +74,11 @@ class QueueConfig:
 
     def key(self) -> tuple[str, str, Optional[str]]:
         return (self.url, self.name, self.schema)
+
+    def prepare_children(self) -> None:
+        """Make the engine that forked DataLoader workers open the queue with, here, once
+        (``wq_sql.queue.prepare_children``: no connection crosses the fork)."""
+        prepare_children(self.url, schema=self.schema, busy_timeout=self.options.get("busy_timeout", 30.0))
 
 
 def rank_name(worker: Optional[str] = None) -> str:
