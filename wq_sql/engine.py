@@ -269,6 +269,28 @@ class HotConnection:
         finally:
             self._lock.release()
 
+    def read(self, fn: Callable[[Any], T]) -> T | Busy:
+        """``fn(conn)``, ONE read-only statement in autocommit mode (as :func:`driver_read` runs
+        it), on this connection when no other thread uses it: a worker's reads (``look.Look``)
+        need no second connection, whose connect and page cache cost a DataLoader worker of
+        ``wq_sql.torch`` ~2 ms of CPU per pass (``bench/torch_phases.py``). Returns :data:`BUSY`
+        at once, running nothing, if another thread uses it, or once closed."""
+        if not self._lock.acquire(blocking=False):
+            return BUSY
+        try:
+            if self.closed:
+                return BUSY
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                conn = self._open()
+            try:
+                return fn(conn)
+            except BaseException as e:
+                self._abort(conn, e)  # outside a transaction the rollback does nothing
+                raise
+        finally:
+            self._lock.release()
+
     def _open(self) -> Any:
         if self._pid != os.getpid():  # a fork Python did not announce: the parent's connection
             self._forget()
