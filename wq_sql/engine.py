@@ -6,6 +6,7 @@ between SQLite and Postgres (connection set-up, file checks, what an error means
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -35,8 +36,17 @@ T = TypeVar("T")
 def resolve_url(url: Optional[str | URL]) -> URL:
     """``url``, else ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db`` in the current directory."""
     raw = url if url is not None else os.environ.get("WQ_SQL_URL") or f"sqlite:///{DEFAULT_SQLITE_FILE}"
-    if isinstance(raw, str):
-        raw = multihost_as_query(raw)
+    return _resolve_text(raw) if isinstance(raw, str) else _resolve(raw)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_text(raw: str) -> URL:
+    """A URL's text resolved once per process (and inherited by forked children): every queue
+    object of every DataLoader worker resolves the same text (``URL`` is immutable)."""
+    return _resolve(multihost_as_query(raw))
+
+
+def _resolve(raw: str | URL) -> URL:
     try:
         parsed = make_url(raw)
     except Exception as e:  # sqlalchemy raises ArgumentError; never echo a password back
