@@ -158,14 +158,17 @@ def keep_for_children(url: URL, **options: Any) -> None:
 
 def worker_engine(url: URL, **options: Any) -> Engine:
     """``make_engine(url, **options)``, or the engine a parent process kept for its children
-    (:func:`keep_for_children`): the first caller in a forked child takes it, with a pool of its
-    own; the process that kept it keeps it for its next children."""
+    (:func:`keep_for_children`): the first caller in a forked child takes it (its pool was never
+    used: no connection, and no lock another thread of the parent could have held at the fork);
+    the process that kept it keeps it for its next children."""
     key = _spare_key(url, options)
     kept = _spares.get(key)
     if kept is not None and kept[0] != os.getpid():
         del _spares[key]
         engine = kept[1]
-        engine.dispose(close=False)  # a new pool (the inherited one is empty, never used here)
+        pool: Any = engine.pool
+        if pool.checkedin() or pool.checkedout():  # not reached: nothing uses a kept engine
+            engine.dispose(close=False)  # a pool of its own, the parent's connections untouched
         return engine
     return make_engine(url, **options)
 
