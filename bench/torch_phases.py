@@ -45,7 +45,7 @@ from wq_sql.torch import DataLoader, QueueDataset, handoff  # noqa: E402
 # (owner, attribute, label): what each worker times. Labels with ": " are inside another phase.
 PHASES: list[tuple[Any, str, str]] = [
     (handoff.Loader, "__init__", "open"),
-    (wq_queue, "make_engine", "open: make_engine"),
+    (wq_queue, "worker_engine", "open: worker_engine"),
     (wq_queue, "ensure_schema", "open: ensure_schema"),
     (wq_queue, "open_queue", "open: open_queue"),
     (wq_queue, "register", "open: register"),

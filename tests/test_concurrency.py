@@ -279,6 +279,68 @@ def test_forked_child_takes_its_own_items(db_url: str, tmp_path: Path) -> None:
     assert by_worker == {"parent": len(pk), child["worker"]: len(ck)}
 
 
+KEPT_ENGINE_SCRIPT = r"""
+import json, os, sys, traceback
+from wq_sql import WorkQueue
+from wq_sql import engine as engines
+from wq_sql.queue import prepare_children
+
+url, out = sys.argv[1], sys.argv[2]
+wq = WorkQueue([f"w{i:04d}" for i in range(200)], shuffle=False, name="kept", url=url, worker="parent",
+               lease_ahead=4)
+prepare_children(url)
+(kept,) = [engine for _, engine in engines._spares.values()]
+assert kept.pool.checkedin() == 0 and kept.pool.checkedout() == 0, "a kept engine holds a connection"
+first = wq.take()
+pids = []
+for k in range(2):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            inherited = kept.pool.checkedin() + kept.pool.checkedout()  # connections from the parent
+            child = WorkQueue.attach("kept", url=url, worker=f"child{k}", lease_ahead=4)
+            again = WorkQueue.attach("kept", url=url, worker=f"child{k}b", lease_ahead=4)
+            got = [[i.epoch, i.seq] for i in child]
+            with open(f"{out}.{k}", "w") as f:
+                json.dump({"kept": child.engine is kept, "inherited": inherited,
+                           "again_kept": again.engine is kept, "got": got}, f)
+            again.close()
+            child.close()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    pids.append(pid)
+got = [[first.epoch, first.seq]] + [[i.epoch, i.seq] for i in wq]
+wq.close()
+statuses = [os.waitpid(pid, 0)[1] for pid in pids]
+later = WorkQueue.attach("kept", url=url, worker="parent2")
+with open(out + ".parent", "w") as f:
+    json.dump({"got": got, "statuses": statuses, "later_kept": later.engine is kept,
+               "still_kept": any(e is kept for _, e in engines._spares.values())}, f)
+later.close()
+"""
+
+
+def test_forked_children_open_on_the_engine_the_parent_kept(db_url: str, tmp_path: Path) -> None:
+    """``prepare_children`` makes the children's engine in the parent, with no connection: each
+    forked child's first queue object takes it, with no connection in its pool (its second makes
+    its own engine), the parent keeps it for later children and never uses it; every item once."""
+    out = tmp_path / "kept"
+    stderr = run_script(KEPT_ENGINE_SCRIPT, db_url, str(out))
+    parent = json.loads(out.with_suffix(".parent").read_text())
+    assert parent["statuses"] == [0, 0], stderr
+    assert parent["later_kept"] is False and parent["still_kept"] is True
+    children = [json.loads(Path(f"{out}.{k}").read_text()) for k in range(2)]
+    for child in children:
+        assert child["kept"] is True and child["inherited"] == 0 and child["again_kept"] is False
+    keys = [tuple(x) for x in parent["got"]] + [tuple(x) for c in children for x in c["got"]]
+    assert sorted(keys) == [(0, s) for s in range(200)]
+    assert_done_exactly_once(db_url, "kept", 200)
+
+
 FORK_WHILE_TAKING_SCRIPT = r"""
 import faulthandler, json, os, sys, threading, time, traceback
 from wq_sql import WorkQueue

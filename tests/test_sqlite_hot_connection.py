@@ -78,6 +78,56 @@ def test_a_second_writer_meanwhile_uses_the_pool(db: Db) -> None:
     assert _rows(db) == [1, 2]
 
 
+def _read(conn: Any, prefix: str) -> tuple[Any, list[int]]:
+    cur = conn.cursor()
+    try:
+        return conn, [r[0] for r in cur.execute(prefix + "SELECT x FROM t ORDER BY x").fetchall()]
+    finally:
+        cur.close()
+
+
+def test_reads_use_it_when_free_and_the_pool_when_busy(db: Db) -> None:
+    """``driver_read`` runs on the hot connection when no thread holds it (a worker needs no
+    second connection for its looks), on a pooled one while a write transaction holds it."""
+    hot = db.driver_tx(_insert(1))
+    pool: Any = db.engine.pool
+    before = pool.checkedin()
+    conn, rows = db.driver_read(_read)
+    assert conn is hot and rows == [1]
+    assert pool.checkedin() == before  # no pooled connection was opened for it
+    assert not hot.in_transaction
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(c: Any) -> None:
+        c.execute("INSERT INTO t VALUES (2)")
+        inside.set()
+        assert release.wait(30)
+
+    t = threading.Thread(target=db.driver_tx, args=(slow,))
+    t.start()
+    try:
+        assert inside.wait(30)
+        conn, rows = db.driver_read(_read)
+        assert conn is not hot and rows == [1]  # the writer's row is not committed yet
+    finally:
+        release.set()
+        t.join(30)
+    conn, rows = db.driver_read(_read)
+    assert conn is hot and rows == [1, 2]
+
+
+def test_a_failed_read_leaves_the_connection_usable(db: Db) -> None:
+    hot = db.driver_tx(_insert(1))
+
+    def bad(conn: Any, prefix: str) -> None:
+        conn.execute("SELECT x FROM nowhere").fetchall()
+
+    with pytest.raises(DBAPIError, match="nowhere"):
+        db.driver_read(bad)
+    assert db.driver_read(_read) == (hot, [1])
+
+
 def test_a_failed_transaction_rolls_back_and_the_connection_stays(db: Db) -> None:
     conn = db.driver_tx(_insert(1))
 

@@ -155,10 +155,18 @@ class Db:
     def driver_read(self, fn: Callable[[Any, str], T]) -> T:
         """Run ``fn(conn, prefix)``, one read-only statement on a driver connection
         (``engine.driver_read``: on Postgres one simple query that sends ``prefix`` first),
-        retried like :meth:`tx`."""
+        retried like :meth:`tx`. SQLite: on this handle's :class:`~wq_sql.engine.HotConnection`
+        when no other thread uses it, else on a pooled connection."""
+        hot = self._hot
+
         def once() -> T:
-            with self._gate, driver_read(self.engine) as (conn, prefix):
-                return fn(conn, prefix)
+            with self._gate:
+                if hot is not None:
+                    got = hot.read(lambda conn: fn(conn, ""))
+                    if not isinstance(got, Busy):
+                        return got
+                with driver_read(self.engine) as (conn, prefix):
+                    return fn(conn, prefix)
         return self.retrying(once)
 
     def _write_turn(self) -> AbstractContextManager[None]:

@@ -6,6 +6,7 @@ between SQLite and Postgres (connection set-up, file checks, what an error means
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -35,8 +36,17 @@ T = TypeVar("T")
 def resolve_url(url: Optional[str | URL]) -> URL:
     """``url``, else ``$WQ_SQL_URL``, else ``sqlite:///wq_sql.db`` in the current directory."""
     raw = url if url is not None else os.environ.get("WQ_SQL_URL") or f"sqlite:///{DEFAULT_SQLITE_FILE}"
-    if isinstance(raw, str):
-        raw = multihost_as_query(raw)
+    return _resolve_text(raw) if isinstance(raw, str) else _resolve(raw)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_text(raw: str) -> URL:
+    """A URL's text resolved once per process (and inherited by forked children): every queue
+    object of every DataLoader worker resolves the same text (``URL`` is immutable)."""
+    return _resolve(multihost_as_query(raw))
+
+
+def _resolve(raw: str | URL) -> URL:
     try:
         parsed = make_url(raw)
     except Exception as e:  # sqlalchemy raises ArgumentError; never echo a password back
@@ -116,6 +126,51 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
         url, schema=schema, busy_timeout=busy_timeout, statement_timeout=statement_timeout,
         startup_options=startup_options, pool_size=pool_size, autocheckpoint=autocheckpoint,
         lock_slice=lock_slice)
+
+
+# Engines made ahead in a process that forks worker processes (a DataLoader's main process):
+# make_engine's arguments -> (the process that made it, the engine). See keep_for_children.
+_spares: dict[tuple[Any, ...], tuple[int, Engine]] = {}
+
+
+def _spare_key(url: URL, options: dict[str, Any]) -> tuple[Any, ...]:
+    return (url.render_as_string(hide_password=False), *sorted(options.items()))
+
+
+def keep_for_children(url: URL, **options: Any) -> None:
+    """In a process about to fork worker processes that open ``url`` with
+    ``make_engine(url, **options)`` (the DataLoader's main process, ``wq_sql.torch``): make
+    that engine now, connect it once so that SQLAlchemy initialises its dialect (server version,
+    ...), and keep it without any connection, for :func:`worker_engine` in each forked child.
+    A DataLoader worker otherwise spent 5-7 ms of CPU making its engine and initialising the
+    dialect on its first connection (``bench/torch_phases.py``), every pass unless its workers
+    are persistent. No connection crosses the fork: the kept engine's pool is empty."""
+    key = _spare_key(url, options)
+    kept = _spares.get(key)
+    if kept is not None and kept[0] == os.getpid():
+        return
+    engine = make_engine(url, **options)
+    with opening(url):
+        engine.connect().close()
+    engine.dispose()  # closes that connection: the pool the children inherit is empty
+    _spares[key] = (os.getpid(), engine)
+
+
+def worker_engine(url: URL, **options: Any) -> Engine:
+    """``make_engine(url, **options)``, or the engine a parent process kept for its children
+    (:func:`keep_for_children`): the first caller in a forked child takes it (its pool was never
+    used: no connection, and no lock another thread of the parent could have held at the fork);
+    the process that kept it keeps it for its next children."""
+    key = _spare_key(url, options)
+    kept = _spares.get(key)
+    if kept is not None and kept[0] != os.getpid():
+        del _spares[key]
+        engine = kept[1]
+        pool: Any = engine.pool
+        if pool.checkedin() or pool.checkedout():  # not reached: nothing uses a kept engine
+            engine.dispose(close=False)  # a pool of its own, the parent's connections untouched
+        return engine
+    return make_engine(url, **options)
 
 
 def _rolled_back_or_gone(dialect: Any, conn: Any, e: BaseException, rollback: Callable[[], object]) -> bool:
@@ -224,6 +279,28 @@ class HotConnection:
             finally:
                 leave(ticket)
             return result
+        finally:
+            self._lock.release()
+
+    def read(self, fn: Callable[[Any], T]) -> T | Busy:
+        """``fn(conn)``, ONE read-only statement in autocommit mode (as :func:`driver_read` runs
+        it), on this connection when no other thread uses it: a worker's reads (``look.Look``)
+        need no second connection, whose connect and page cache cost a DataLoader worker of
+        ``wq_sql.torch`` ~2 ms of CPU per pass (``bench/torch_phases.py``). Returns :data:`BUSY`
+        at once, running nothing, if another thread uses it, or once closed."""
+        if not self._lock.acquire(blocking=False):
+            return BUSY
+        try:
+            if self.closed:
+                return BUSY
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                conn = self._open()
+            try:
+                return fn(conn)
+            except BaseException as e:
+                self._abort(conn, e)  # outside a transaction the rollback does nothing
+                raise
         finally:
             self._lock.release()
 

@@ -5,7 +5,7 @@ end with one queue), the others check that their configuration matches the store
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from sqlalchemy import Connection
 
@@ -20,11 +20,17 @@ from wq_sql.sources import plan_items
 log = logging.getLogger("wq_sql")
 
 
-def open_queue(db: Db, name: str, spec: Optional[QueueSpec], max_attempts: Optional[int]) -> Any:
+def open_queue(db: Db, name: str, spec: Optional[QueueSpec], max_attempts: Optional[int]) -> ops.QueueRow:
     """The queue row of ``name``, created from ``spec`` if there is none (``spec`` None: join
     only, :class:`QueueNotFound` if missing); :class:`QueueConfigMismatch` if the stored queue
-    differs from ``spec``."""
-    row = db.tx(lambda c: ops.find_queue(c, name), read=True)
+    differs from ``spec``. Joining is one read transaction: the row, the check, the counters."""
+    def look(c: Connection) -> tuple[Optional[ops.QueueRow], list[str], tuple[int, int]]:
+        row = ops.queue_row(c, name)
+        if row is None:
+            return None, [], (0, 0)
+        return row, differences(c, row, spec, max_attempts), ops.progress(c, row.id)
+
+    row, diffs, (done, failed) = db.tx(look, read=True)
     if row is None and spec is None:
         raise QueueNotFound(f"no queue named {name!r} in {safe_url(db.url)}; create it "
                             "with WorkQueue(works, name=...) first")
@@ -33,19 +39,20 @@ def open_queue(db: Db, name: str, spec: Optional[QueueSpec], max_attempts: Optio
         items = plan_items(spec.works, spec.num_slices, db.engine, spec.prefix)  # no transaction
         seed = spec.seed if spec.seed is not None else new_seed()
 
-        def create(c: Connection) -> tuple[Optional[int], Any]:
+        def create(c: Connection) -> tuple[Optional[int], Optional[ops.QueueRow]]:
             qid = ops.create_queue(c, db.dialect, name, spec, items, seed,
                                    DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
-            return qid, ops.find_queue(c, name)
+            return qid, ops.queue_row(c, name)
 
-        qid, row = db.tx(create)
+        qid, created = db.tx(create)
+        if created is None:
+            raise QueueNotFound(f"queue {name!r} was dropped while this worker created it")
+        row = created
         if qid is not None:
             log.info("created queue %r: %d items per epoch, %d epochs", name, row.n_works, row.num_epochs)
-
-    def check(c: Connection) -> tuple[list[str], tuple[int, int]]:
-        return differences(c, row, spec, max_attempts), ops.progress(c, row.id)
-
-    diffs, (done, failed) = db.tx(check, read=True)
+        else:  # another worker created it meanwhile: check against what it stored
+            diffs, (done, failed) = db.tx(lambda c: (differences(c, created, spec, max_attempts),
+                                                     ops.progress(c, created.id)), read=True)
     if diffs:
         raise QueueConfigMismatch(name, diffs, extend_to(row, spec))
     if done + failed >= row.n_works * row.num_epochs:

@@ -22,8 +22,9 @@ from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from wq_sql.dialects import dialect_of, qualifier
-from wq_sql.engine import safe_url
+from wq_sql.engine import driver_read, safe_url
 from wq_sql.errors import SchemaOutdated
+from wq_sql.pooling import last_rows
 
 _PG_INSUFFICIENT_PRIVILEGE = "42501"
 
@@ -106,9 +107,15 @@ def _plain_revision(engine: Engine, schema: Optional[str]) -> Optional[str]:
     None when that read fails or is not one row: then :func:`current_revision` decides."""
     table = f"{qualifier(schema)}alembic_version"
     try:
-        with engine.connect().execution_options(wq_read=True) as conn:
-            rows = conn.exec_driver_sql(f"SELECT version_num FROM {table}").fetchall()
-            conn.rollback()
+        # One driver-level statement, its own read transaction (SQLAlchemy's connection, BEGIN
+        # and ROLLBACK around it were a third of this read in a forked DataLoader worker).
+        with driver_read(engine) as (conn, prefix):
+            cur = conn.cursor()
+            try:
+                cur.execute(f"{prefix}SELECT version_num FROM {table}")
+                rows = last_rows(cur)
+            finally:
+                cur.close()
     except DBAPIError:
         return None
     return str(rows[0][0]) if len(rows) == 1 else None

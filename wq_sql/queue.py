@@ -21,7 +21,7 @@ from wq_sql import ops, registry
 from wq_sql.claim import ClaimRound
 from wq_sql.db import LOCK_SLICE, Db
 from wq_sql.endings import Endings
-from wq_sql.engine import make_engine, resolve_url, safe_url
+from wq_sql.engine import keep_for_children, resolve_url, safe_url, worker_engine
 from wq_sql.epochs import EpochMaker, Order
 from wq_sql.errors import InvalidInput, QueueExhausted
 from wq_sql.handout import Dispenser, Extent, Rules
@@ -49,7 +49,7 @@ from wq_sql.renewal import Renewal
 from wq_sql.sources import read_slice
 from wq_sql.weak import weak_method
 
-__all__ = ["Progress", "WorkItem", "WorkQueue", "handed_out_by"]
+__all__ = ["Progress", "WorkItem", "WorkQueue", "handed_out_by", "prepare_children"]
 
 log = logging.getLogger("wq_sql")
 @dataclass(frozen=True)
@@ -66,6 +66,22 @@ class Progress:
     @property
     def remaining(self) -> int:
         return self.total - self.done - self.failed
+
+
+def _engine_options(schema: Optional[str], busy_timeout: float) -> dict[str, Any]:
+    """``make_engine``'s arguments for a queue object's own engine."""
+    return dict(schema=schema, busy_timeout=float(busy_timeout), pool_size=3, autocheckpoint=False,
+                lock_slice=LOCK_SLICE)
+
+
+def prepare_children(url: Optional[str | URL] = None, *, schema: Optional[str] = None,
+                     busy_timeout: float = 30.0) -> None:
+    """In a process that will fork worker processes which each open a queue object on ``url``
+    (``wq_sql.torch``'s DataLoader workers): make their engine once, here, with its dialect
+    initialised and no connection (``engine.keep_for_children``); each forked child's first
+    queue object takes it instead of making its own. Pass the ``schema`` and ``busy_timeout``
+    the children pass to ``WorkQueue``; other values just make the children build their own."""
+    keep_for_children(resolve_url(url), **_engine_options(schema, busy_timeout))
 
 
 class WorkQueue:
@@ -152,8 +168,7 @@ class WorkQueue:
         self.worker = check_worker_name(worker if worker is not None else default_worker_name())
         url_ = resolve_url(url) if engine is None else engine.url
         # Connections: claims, heartbeat, and making the next epoch in the background.
-        own = engine or make_engine(url_, schema=schema, busy_timeout=o.busy_timeout, pool_size=3,
-                                    autocheckpoint=False, lock_slice=LOCK_SLICE)
+        own = engine or worker_engine(url_, **_engine_options(schema, o.busy_timeout))
         # After an outage, expire nothing until the others could renew (a few heartbeats).
         self._db = db = Db(own, url_, busy_timeout=o.busy_timeout, label=self.name,
                            quiet_seconds=ops.STALE_BEATS * o.heartbeat_seconds,

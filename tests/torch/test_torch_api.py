@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.utils.data
 from torch_support import ENV, close_datasets, sql, write_files  # noqa: F401 - an autouse fixture
 
-from wq_sql import InvalidInput
-from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, rank_name
+from wq_sql import InvalidInput, WorkQueue
+from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, handoff, rank_name
 
 
 def read_lines(path: str) -> list[str]:
@@ -76,6 +78,37 @@ def test_items_are_done_only_after_their_step(db_url: str, tmp_path: Path) -> No
         if step == 30:
             break
     assert sum(trained.values()) == 31 * 4
+
+
+def test_acknowledgements_in_the_background(db_url: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """consumed='trained': during a pass the acknowledgements go out from a background thread
+    (the loop does not wait for their commits); the pass's end waits for them, so every item is
+    done when the loop ends, and one that failed is raised in the loop."""
+    monkeypatch.setattr(handoff, "ACK_SECONDS", 0.0)  # every step's items at once
+    real = WorkQueue.complete_handed
+    threads: set[str] = set()
+
+    def spy(self: WorkQueue, handed: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(self, handed)
+
+    monkeypatch.setattr(WorkQueue, "complete_handed", spy)
+    files, lines = write_files(tmp_path / "data", 30, 4)
+    ds = QueueDataset(files, url=db_url, read=read_lines, name="bg", worker="r")
+    seen = Counter(r for batch in DataLoader(ds, batch_size=5, num_workers=0) for r in batch)
+    assert seen == Counter(lines)
+    assert sql(db_url, "SELECT count(*) FROM wq_audit WHERE queue = 'bg' AND state = 'done'") == [(30,)]
+    assert any(name.startswith("wq_sql-acks") for name in threads), threads
+
+    def broken(self: WorkQueue, handed: Any) -> Any:
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(WorkQueue, "complete_handed", broken)
+    ds2 = QueueDataset(files, url=db_url, read=read_lines, name="bg2", worker="r2")
+    with pytest.raises(RuntimeError, match="went away"):
+        for _ in DataLoader(ds2, batch_size=5, num_workers=0):
+            pass
 
 
 def test_break_then_next_pass(db_url: str, tmp_path: Path) -> None:

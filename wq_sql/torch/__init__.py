@@ -12,8 +12,9 @@
 
 - :class:`QueueDataset`: an ``IterableDataset``; every DataLoader worker process (or the main
   process with ``num_workers=0``) is a queue worker of its own, ``<rank>/loader<k>``, that opens
-  its own connections (nothing made in the parent is used in a child: ``fork`` and ``spawn``
-  both work, and ``persistent_workers=True``). The rank's identity comes from
+  its own connections (no connection made in the parent is used in a child: ``fork`` and
+  ``spawn`` both work, and ``persistent_workers=True``; with ``fork`` the engine is made once,
+  without a connection, in the parent). The rank's identity comes from
   ``$WQ_SQL_WORKER``, ``$TORCHELASTIC_RUN_ID`` and ``$RANK`` (:func:`rank_name`), so a restarted
   rank's workers get their items in flight back first.
 - :class:`QueueSampler`: for a map-style dataset, ``sampler=QueueSampler(len(ds), ...)`` instead of
@@ -43,8 +44,9 @@ inside DDP's ``join()`` context, which shadows the collectives of ranks that ran
 
 **Consumed.** With ``consumed="trained"`` (the default) a crash re-delivers the items whose
 training step was not over (at least once; after the step, the acknowledgement may lag up to
-0.2 s), to the restarted identity first. ``consumed="taken"`` is DeepRec's rule inside the loader,
-for loaders other than :class:`DataLoader`; a crash then loses what the loader had read ahead.
+0.2 s and its commit), to the restarted identity first. ``consumed="taken"`` is DeepRec's rule
+inside the loader, for loaders other than :class:`DataLoader`; a crash then loses what the loader
+had read ahead.
 
 **Checkpoint-consistent resume.** With ``consumed="checkpoint"`` an item is done only once a
 checkpoint holding the loader's ``state_dict()`` covers it (every batch yielded before the state

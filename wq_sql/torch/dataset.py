@@ -234,6 +234,8 @@ class QueueDataset(QueuePasses, IterableDataset):
         super().__init__(works, num_epochs, shuffle, seed, prefix, num_slices, name, url=url, worker=worker,
                          epochs=epochs, consumed=consumed, lease_ahead=lease_ahead, schema=schema,
                          options=options)
+        # Each forked DataLoader worker opens the queue on an engine made here (no connection).
+        self.config.prepare_children()
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()

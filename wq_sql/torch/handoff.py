@@ -43,12 +43,13 @@ import time
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from wq_sql.errors import InvalidInput, QueueEmpty, QueueExhausted
 from wq_sql.ledger import Ledger, Mark
-from wq_sql.queue import WorkItem, WorkQueue
+from wq_sql.queue import WorkItem, WorkQueue, prepare_children
 
 log = logging.getLogger("wq_sql")
 
@@ -74,6 +75,11 @@ class QueueConfig:
 
     def key(self) -> tuple[str, str, Optional[str]]:
         return (self.url, self.name, self.schema)
+
+    def prepare_children(self) -> None:
+        """Make the engine that forked DataLoader workers open the queue with, here, once
+        (``wq_sql.queue.prepare_children``: no connection crosses the fork)."""
+        prepare_children(self.url, schema=self.schema, busy_timeout=self.options.get("busy_timeout", 30.0))
 
 
 def rank_name(worker: Optional[str] = None) -> str:
@@ -346,6 +352,10 @@ class Acks:
         self._due: list[Handed] = []
         self._sent = time.monotonic()
         self.acknowledged = 0
+        # consumed="trained": a pass's periodic acknowledgements, sent by one background thread
+        # in order (see _send_soon); made at the first, in the process that uses it.
+        self._sender: Optional[ThreadPoolExecutor] = None
+        self._sending: deque[Future[None]] = deque()
         if checkpoint:
             _at_exit_saved()
 
@@ -360,16 +370,39 @@ class Acks:
         then the loaders that read them hold and renew them, and a crash returns them the same."""
         if handed:
             self._due.extend(handed)
+        while self._sending and self._sending[0].done():
+            self._sending.popleft().result()  # a background acknowledgement's error, if any
         if self._due and (len(self._due) >= ACK_ITEMS
                           or (self.ledger is None and time.monotonic() - self._sent >= ACK_SECONDS)):
-            self.flush()
+            if self.ledger is None:
+                self._send_soon()
+            else:
+                self.flush()
+
+    def _send_soon(self) -> None:
+        """consumed="trained", during a pass: the acknowledgement's transaction runs in a
+        background thread, one at a time and in order, so that the training loop does not wait
+        for its commit (on Postgres a WAL flush: 4-20 ms of the main thread, three times per
+        pass of ``bench/torch_loader.py``). :meth:`flush` (a pass's end or break) waits for them;
+        an error is raised by the next call here or there."""
+        self._sent = time.monotonic()
+        due, self._due = self._due, []
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wq_sql-acks")
+        self._sending.append(self._sender.submit(self._send, due))
 
     def flush(self) -> None:
-        """Mark done now what the trainer consumed (checkpoint mode: hold it, for the ledger)."""
+        """Mark done now what the trainer consumed (checkpoint mode: hold it, for the ledger),
+        once the acknowledgements sent in the background are done."""
+        while self._sending:
+            self._sending.popleft().result()
         self._sent = time.monotonic()
         if not self._due:
             return
         due, self._due = self._due, []
+        self._send(due)
+
+    def _send(self, due: list[Handed]) -> None:
         by_holder: dict[int, list[WorkItem]] = defaultdict(list)
         for h in due:
             by_holder[h.holder].append(h.item)

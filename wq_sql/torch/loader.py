@@ -152,10 +152,11 @@ class DataLoader(QueueLoading, torch.utils.data.DataLoader):  # type: ignore[mis
     a map-style dataset with ``sampler=``:class:`~wq_sql.torch.QueueSampler`. It tells the queue
     what the training loop consumed: an item is done once the training step of the batch that
     holds its last record is over, which is when the loop asks for the next batch (sent in one
-    transaction per 0.2 s of training, and at the end of each pass, so that when ``for batch in
-    loader`` ends, its items are done). Prefetching and workers reading ahead never make an item
-    done. Each ``iter(loader)`` is the pass of the next epoch (see ``QueueDataset``'s ``epochs``;
-    ``set_epoch`` on the dataset or sampler overrides it).
+    transaction per 0.2 s of training, from a background thread, and at the end of each pass,
+    which waits for them, so that when ``for batch in loader`` ends, its items are done).
+    Prefetching and workers reading ahead never make an item done. Each ``iter(loader)`` is the
+    pass of the next epoch (see ``QueueDataset``'s ``epochs``; ``set_epoch`` on the dataset or
+    sampler overrides it).
 
     With ``consumed='checkpoint'`` on the dataset (or sampler), an item is done only once a
     checkpoint holding :meth:`state_dict` covers it; :meth:`load_state_dict` resumes::
