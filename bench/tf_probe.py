@@ -33,6 +33,9 @@ import wq_sql  # noqa: E402
 from wq_sql import handout  # noqa: E402
 from wq_sql import tf as wq_tf  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tf_textline import write_files  # noqa: E402
+
 STATS: dict[str, Any] = {}
 
 
@@ -75,15 +78,6 @@ def next_many(self: Any) -> Any:
 
 
 wq_tf.WorkQueue._next_many = next_many  # type: ignore[method-assign]
-
-
-def write_files(directory: Path, n_files: int, n_lines: int) -> list[str]:
-    paths = []
-    for i in range(n_files):
-        path = directory / f"part-{i:05d}.txt"
-        path.write_text("".join(f"{i},{j},{(i * 31 + j) % 97},some payload text\n" for j in range(n_lines)))
-        paths.append(str(path))
-    return paths
 
 
 def threads_cpu() -> dict[str, float]:

@@ -260,14 +260,9 @@ class HotConnection:
         before the ``BEGIN`` to after its end, as :func:`driver_transaction` does; driver errors
         come out as SQLAlchemy's ``DBAPIError``. Returns :data:`BUSY` at once, running nothing, if
         another thread uses the connection, or once closed."""
-        if not self._lock.acquire(blocking=False):
-            return BUSY
-        try:
-            if self.closed:
+        with self._using() as conn:
+            if conn is None:
                 return BUSY
-            conn = self._conn
-            if conn is None or self._pid != os.getpid():
-                conn = self._open()
             ticket = enter()
             try:
                 conn.execute("BEGIN IMMEDIATE")
@@ -279,8 +274,6 @@ class HotConnection:
             finally:
                 leave(ticket)
             return result
-        finally:
-            self._lock.release()
 
     def read(self, fn: Callable[[Any], T]) -> T | Busy:
         """``fn(conn)``, ONE read-only statement in autocommit mode (as :func:`driver_read` runs
@@ -288,19 +281,28 @@ class HotConnection:
         need no second connection, whose connect and page cache cost a DataLoader worker of
         ``wq_sql.torch`` ~2 ms of CPU per pass (``bench/torch_phases.py``). Returns :data:`BUSY`
         at once, running nothing, if another thread uses it, or once closed."""
-        if not self._lock.acquire(blocking=False):
-            return BUSY
-        try:
-            if self.closed:
+        with self._using() as conn:
+            if conn is None:
                 return BUSY
-            conn = self._conn
-            if conn is None or self._pid != os.getpid():
-                conn = self._open()
             try:
                 return fn(conn)
             except BaseException as e:
                 self._abort(conn, e)  # outside a transaction the rollback does nothing
                 raise
+
+    @contextmanager
+    def _using(self) -> Iterator[Any]:
+        """The connection, held by this thread for the block (opened if needed), or None when
+        another thread uses it or it is closed."""
+        if not self._lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            if self.closed:
+                yield None
+                return
+            conn = self._conn
+            yield self._open() if conn is None or self._pid != os.getpid() else conn
         finally:
             self._lock.release()
 
