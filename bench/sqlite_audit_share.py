@@ -6,11 +6,14 @@
 * ``noindex``   the same without the history table's index (``ix_wq_events_queue_item``);
 * ``notally``   the tally upsert replaced by a ``SELECT`` of its parameters;
 * ``noevents``  the history rows replaced the same way;
-* ``none``      neither tally nor history rows nor index: the round without its audit trail.
+* ``none``      neither tally nor history rows nor index: the round without its audit trail;
+* ``raw``       the reference round of ``claim_throughput.py`` (its ``raw`` variant: the acks by
+                ``executemany`` without ``RETURNING``, the claim, a ``SELECT`` of the works), on
+                the same kind of connection: what the targets' ratios are taken against.
 
 Each round runs in ``BEGIN IMMEDIATE`` / ``COMMIT`` on one ``sqlite3`` connection (WAL,
-``synchronous=NORMAL``, automatic checkpoints off and a passive checkpoint every second, as
-wq_sql's engines and heartbeat do). Also measured, on another copy: ``WorkQueue.take()`` in a
+``synchronous=NORMAL``, foreign keys enforced, automatic checkpoints off and a passive
+checkpoint every second, as wq_sql's engines and heartbeat do). Also measured, on another copy: ``WorkQueue.take()`` in a
 loop (defaults but ``lease_ahead``), so the library's share shows beside the audit's. Ratios are
 against ``full`` of the same run; medians of ``--repeats``.
 
@@ -31,12 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_rev, machine  # noqa: E402
+from claim_throughput import _SQ_ACK, _sq_claim  # noqa: E402
 
 from wq_sql import WorkQueue  # noqa: E402
 from wq_sql.claim import ClaimRound  # noqa: E402
 from wq_sql.dialects import Dialect  # noqa: E402
 
-VARIANTS = ("full", "noindex", "notally", "noevents", "none")
+VARIANTS = ("full", "noindex", "notally", "noevents", "none", "raw")
 
 
 def _copy(base: Path, path: Path) -> None:
@@ -53,6 +57,7 @@ def rounds(base: Path, work: Path, variant: str, n: int, seconds: float) -> floa
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("PRAGMA foreign_keys=ON")  # as wq_sql's connections and claim_throughput.py's raw
     if variant in ("noindex", "none"):
         conn.execute("DROP INDEX ix_wq_events_queue_item")
     qid = conn.execute("SELECT id FROM wq_queues").fetchone()[0]
@@ -64,14 +69,25 @@ def rounds(base: Path, work: Path, variant: str, n: int, seconds: float) -> floa
         rnd._event1 = "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?"
         rnd._events = "SELECT ?, ? FROM (VALUES {rows})"
     acks: list[tuple[int, int]] = []
-    count = 0
+    count = token = 0
+    claim = _sq_claim(n, works=False)
     t0 = last = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         conn.execute("BEGIN IMMEDIATE")
-        _, got, _ = rnd.run(conn, qid, wid, acks)
+        if variant == "raw":
+            token += 1
+            conn.executemany(_SQ_ACK, acks)
+            rows = conn.execute(claim, (qid, wid, token)).fetchall()
+            if rows:
+                idx = sorted({r[1] for r in rows})
+                conn.execute(f"SELECT idx, work FROM wq_works WHERE queue_id = ? AND idx IN "
+                             f"({','.join('?' * len(idx))})", (qid, *idx)).fetchall()
+            acks = [(r[0], token) for r in rows]
+        else:
+            _, got, _ = rnd.run(conn, qid, wid, acks)
+            acks = [(g.id, g.token) for g in got]
         conn.execute("COMMIT")
-        acks = [(g.id, g.token) for g in got]
-        count += len(got)
+        count += len(acks)
         if time.perf_counter() - last > 1.0:
             conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
             last = time.perf_counter()

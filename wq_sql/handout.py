@@ -127,6 +127,33 @@ class Dispenser:
                                  "one was not heartbeating (stopped or partitioned); its items were "
                                  "handed on")
 
+    def take(self, deadline: Optional[float]) -> WorkItem:
+        """``WorkQueue.take``: :meth:`take_many` of one item, with the common case, an item in
+        the buffer, in one short path (a ``take()`` at lease-ahead 32 is most of the Python of a
+        claim loop: bench/claim_throughput.py)."""
+        with self.lock:
+            book = self.book
+            if book.buffer and not (self.closed or self.superseded):
+                now = time.monotonic()
+                self.sizer.called(now)
+                if self.rules.auto_complete and book.out:
+                    book.ack_out()
+                item = book.hand_one()
+                self._handed(now, 1)
+                return item
+        return self.take_many(1, deadline, None, None)[0]
+
+    def _handed(self, now: float, n: int) -> None:
+        """``n`` items were just handed out, at ``now`` (the lock held)."""
+        self.pace.handed_out(now)
+        self.sizer.handed_out(now, n)
+        # Claim ahead only once the buffer is empty: a round then claims up to
+        # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
+        if not self.book.buffer and self.rules.claim_ahead and self.sizer.ahead_helps():
+            r = self.refills()
+            if r is not None:
+                r.schedule(self.pace)
+
     def take_many(self, n: int, deadline: Optional[float], claim: Optional[int],
                   stop: Optional[Callable[[], bool]]) -> list[WorkItem]:
         """``WorkQueue.take_many``: hand out, refill, or wait, until items or an exception."""
@@ -147,15 +174,7 @@ class Dispenser:
                     self._fill(claim)
                 if book.buffer:
                     got = book.hand_out(n)
-                    now = time.monotonic()
-                    self.pace.handed_out(now)
-                    self.sizer.handed_out(now, len(got))
-                    # Claim ahead only once the buffer is empty: a round then claims up to
-                    # lease_ahead items, so lease_ahead > 1 never becomes a round trip per item.
-                    r = (self.refills() if self.rules.claim_ahead and not book.buffer
-                         and self.sizer.ahead_helps() else None)
-                    if r is not None:
-                        r.schedule(self.pace)
+                    self._handed(time.monotonic(), len(got))
                     return got
             self._wait(deadline, stop, rings)
 
@@ -420,7 +439,7 @@ class Dispenser:
     def _claim(self, acks: list[WorkItem], limit: int) -> int:
         """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
         items join the buffer. Returns how many."""
-        keys = [a.key for a in acks]
+        keys = [(a.item_id, a.token) for a in acks]
         t = time.monotonic()
         if self._round_at:
             gap = t - self._round_at
@@ -434,10 +453,11 @@ class Dispenser:
             self.drained = len(got) < limit
         if got:
             now, per_epoch = time.monotonic(), self.extent.items_per_epoch
-            at = [g.epoch * per_epoch + g.seq for g in got]  # positions in claim order
-            if max(at) == self.extent.total - 1:  # the last item in claim order: nothing after it
+            # Positions in claim order (got is in hand-out order, (epoch, seq)): first and last.
+            first, last = (got[0].epoch * per_epoch + got[0].seq, got[-1].epoch * per_epoch + got[-1].seq)
+            if last == self.extent.total - 1:  # the last item in claim order: nothing after it
                 self.drained = True
-            self.sizer.claimed(now - t, now, min(at), max(at), len(got), self.extent.total)
+            self.sizer.claimed(now - t, now, first, last, len(got), self.extent.total)
         if len(accepted) < len(keys):  # rare: an outage may have lost a committed round's reply
             missing = [k for k in keys if k[0] not in accepted]
             accepted = accepted | self.db.tx(lambda c: ops.done_already(c, missing), read=True)

@@ -68,20 +68,29 @@ class Holdings:
 
     def add(self, claimed: list[Claimed], works: dict[int, str]) -> None:
         """Claimed items join the buffer, as items with their works."""
-        self.buffer.extend(WorkItem(self.prefix + works[c.work_idx], works[c.work_idx], c) for c in claimed)
+        prefix = self.prefix
+        if prefix:
+            self.buffer.extend(WorkItem(prefix + works[c.work_idx], works[c.work_idx], c) for c in claimed)
+        else:
+            self.buffer.extend(WorkItem(w, w, c) for c in claimed for w in (works[c.work_idx],))
+
+    def hand_one(self) -> WorkItem:
+        """The first buffered item, now handed out (``take()``: the hot path, once per item)."""
+        item = self.buffer.popleft()
+        self.out[item.item_id] = item
+        recent = self._recent
+        recent[item] = item
+        recent.move_to_end(item)
+        if len(recent) > RECENT:
+            recent.popitem(last=False)
+        self.handed = 1
+        return item
 
     def hand_out(self, n: int) -> list[WorkItem]:
         """Up to ``n`` (at least 1) buffered items, now handed out."""
+        if n <= 1:
+            return [self.hand_one()]
         recent = self._recent
-        if n <= 1:  # take(): the hot path, once per item
-            item = self.buffer.popleft()
-            self.out[item.item_id] = item
-            recent[item] = item
-            recent.move_to_end(item)
-            if len(recent) > RECENT:
-                recent.popitem(last=False)
-            self.handed = 1
-            return [item]
         got = [self.buffer.popleft() for _ in range(min(n, len(self.buffer)))]
         for item in got:
             self.out[item.item_id] = item

@@ -28,7 +28,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, NamedTuple, Optional, cast
 
 from sqlalchemy import (
     Connection,
@@ -81,9 +81,9 @@ def new_token() -> int:
     return secrets.randbits(62) + 1
 
 
-@dataclass(frozen=True)
-class Claimed:
-    """One claimed row, as the claim returns it."""
+class Claimed(NamedTuple):
+    """One claimed row, as the claim returns it (a tuple: a claim round makes one per item,
+    ~0.3 us against ~1.5 us for a frozen dataclass)."""
 
     id: int
     epoch: int

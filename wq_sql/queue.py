@@ -288,7 +288,8 @@ class WorkQueue:
         :class:`QueueEmpty` is raised (``timeout=0``: never wait). Only then: while the next
         epoch is due but its first rows are not made yet (another worker is making them), the
         take waits for them whatever ``timeout`` says."""
-        return self.take_many(1, timeout)[0]
+        self._ensure_process()
+        return self._d.take(None if timeout is None else time.monotonic() + timeout)
 
     def take_many(self, n: int, timeout: Optional[float] = None, *, claim: Optional[int] = None,
                   stop: Optional[Callable[[], bool]] = None) -> list[WorkItem]:
