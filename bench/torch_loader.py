@@ -17,6 +17,11 @@ The CPU column: median milliseconds of CPU (user + system) of the main process a
 DataLoader workers per run (on 2 cores the static loader is CPU-bound, so what wq_sql adds in
 CPU, anywhere, is what its time adds).
 
+``--floor N``: a third side, :class:`DurableFloor`, the static loader plus only the durable
+statements wq_sql makes per item (claim rounds of N items, each marking the previous round's
+done with their history rows), by the raw driver: what any loader that claims and completes
+every item durably costs at least, so ``static / floor`` bounds the ratio reachable here.
+
 ``long-tail``: ``--ranks`` processes with torchrun's environment (gloo for the start line and
 the results), the last one 4x slower per batch (a sleep: its GPU, or its machine, is slower), no
 gradient all-reduce (an offline job or asynchronous training: ranks that do not wait for each
@@ -88,6 +93,72 @@ class StaticFiles(IterableDataset):  # type: ignore[type-arg]
             yield from read_lines(path)
 
 
+class DurableFloor(IterableDataset):  # type: ignore[type-arg]
+    """A floor under any queue-fed loader with these guarantees (``--floor``): the static
+    reference's reading plus only the durable statements wq_sql makes per item, sent by the raw
+    driver from each DataLoader worker: claim rounds of ``n`` items (``claim.ClaimRound``, the
+    statement wq_sql runs), each also marking the previous round's items done, with their history
+    rows and counters. No trainer side, no hand-over of items, no heartbeat, no Python of wq_sql
+    but the round's own. The queue and one worker row per DataLoader worker are made beforehand
+    (:func:`floor_queue`), outside the time."""
+
+    def __init__(self, url: str, qid: int, worker_ids: list[int], n: int) -> None:
+        self.url, self.qid, self.worker_ids, self.n = url, qid, worker_ids, n
+
+    def __iter__(self) -> Any:
+        from wq_sql.claim import ClaimRound
+        from wq_sql.dialects import Dialect
+
+        info = get_worker_info()
+        wid = self.worker_ids[info.id if info is not None else 0]
+        sqlite = self.url.startswith("sqlite")
+        if sqlite:
+            import sqlite3
+
+            conn: Any = sqlite3.connect(self.url.split("///", 1)[1], isolation_level=None, timeout=30)
+        else:
+            import psycopg2
+            from sqlalchemy.engine import make_url
+
+            u = make_url(self.url)
+            conn = psycopg2.connect(host=u.host, port=u.port, user=u.username, password=u.password,
+                                    dbname=u.database)
+            conn.autocommit = True  # the round is one statement, its own transaction
+        r = ClaimRound(Dialect("sqlite" if sqlite else "postgresql"), self.n, 60.0)
+
+        def round_(acks: list[tuple[int, int]], limit: int) -> Any:
+            if not sqlite:
+                return r.run(conn, self.qid, wid, acks, limit)
+            conn.execute("BEGIN IMMEDIATE")
+            got = r.run(conn, self.qid, wid, acks, limit)
+            conn.execute("COMMIT")
+            return got
+
+        acks: list[tuple[int, int]] = []
+        while True:
+            _, claimed, works = round_(acks, self.n)
+            if not claimed:
+                break
+            acks = [(c.id, c.token) for c in claimed]
+            for c in claimed:
+                yield from read_lines(works[c.work_idx])
+        round_(acks, 0)
+        conn.close()
+
+
+def floor_queue(files: list[str], url: str, name: str, workers: int) -> tuple[int, list[int]]:
+    """For :class:`DurableFloor`: a queue of ``files`` and ``workers`` registered worker rows
+    (closed queue objects: their rows stay), as ``(queue id, worker ids)``."""
+    wq_sql.WorkQueue(files, name=name, url=url, shuffle=True, worker="floor-maker").close()
+    ids = []
+    for k in range(workers):
+        q = wq_sql.WorkQueue.attach(name, url=url, worker=f"floor{k}")
+        ids.append(q.worker_id)
+        qid = q._qid
+        q.close()
+    return qid, ids
+
+
 def timed_passes(loader: Any, epochs: int, expect: int, save_every: int = 0) -> float:
     """Seconds for ``epochs`` passes; ``save_every``: take ``loader.state_dict()`` every that many
     batches and at each pass end, confirmed at the end (consumed='checkpoint': the saves'
@@ -123,7 +194,8 @@ def throughput(a: argparse.Namespace) -> None:
         for la in a.lease_ahead:
             static_s: list[float] = []
             queue_s: dict[str, list[float]] = {c: [] for c in a.consumed}
-            cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed]}
+            cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed, "floor"]}
+            floor_s: list[float] = []
             for _ in range(a.runs):  # interleaved: static, then each consumed= in turn
                 with cpu_into(cpu["static"]):
                     static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs,
@@ -138,7 +210,17 @@ def throughput(a: argparse.Namespace) -> None:
                                                               save_every))
                     ds.close()
                     wq_sql.drop_queue(name, url)
+                if a.floor and a.epochs == 1:
+                    name = f"fl_{uuid.uuid4().hex[:8]}"
+                    qid, ids = floor_queue(files, url, name, a.workers)
+                    with cpu_into(cpu["floor"]):
+                        floor_s.append(timed_passes(TorchLoader(DurableFloor(url, qid, ids, a.floor), **workers),
+                                                    1, records))
+                    wq_sql.drop_queue(name, url)
             ms = statistics.median(static_s)
+            if floor_s:
+                rows.append((la, f"floor {a.floor}", ms, statistics.median(floor_s), min(static_s), min(floor_s),
+                             median_cpu(cpu["static"]), median_cpu(cpu["floor"])))
             for consumed, times in queue_s.items():
                 mq = statistics.median(times)
                 rows.append((la, consumed, ms, mq, min(static_s), min(times), median_cpu(cpu["static"]),
@@ -300,6 +382,9 @@ def main() -> None:
     tp.add_argument("--lease-ahead", type=lease_ahead, nargs="+", default=[None],
                     help="items per claim round, or auto (the default: the core's automatic size)")
     tp.add_argument("--persistent", action="store_true")
+    tp.add_argument("--floor", type=int, default=0, metavar="N",
+                    help="also time DurableFloor: the static loader plus only the durable statements per "
+                         "item (claim rounds of N, each marking the last round's items done), raw driver")
     tp.add_argument("--consumed", choices=["trained", "checkpoint"], nargs="+", default=["trained"],
                     help="both: each run measures them in turn (checkpoint mode's cost, same run)")
     tp.add_argument("--save-every", type=int, default=50, help="batches between state_dict() (checkpoint)")
