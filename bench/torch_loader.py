@@ -106,6 +106,8 @@ class DurableFloor(IterableDataset):  # type: ignore[type-arg]
         self.url, self.qid, self.worker_ids, self.n = url, qid, worker_ids, n
 
     def __iter__(self) -> Any:
+        from sqlalchemy.engine import make_url
+
         from wq_sql.claim import ClaimRound
         from wq_sql.dialects import Dialect
 
@@ -118,20 +120,24 @@ class DurableFloor(IterableDataset):  # type: ignore[type-arg]
             conn: Any = sqlite3.connect(self.url.split("///", 1)[1], isolation_level=None, timeout=30)
         else:
             import psycopg2
-            from sqlalchemy.engine import make_url
 
             u = make_url(self.url)
             conn = psycopg2.connect(host=u.host, port=u.port, user=u.username, password=u.password,
                                     dbname=u.database)
             conn.autocommit = True  # the round is one statement, its own transaction
-        r = ClaimRound(Dialect("sqlite" if sqlite else "postgresql"), self.n, 60.0)
+        dialect = Dialect("sqlite" if sqlite else "postgresql")
+        r = ClaimRound(dialect, self.n, 60.0)
+        # SQLite: wq_sql's writers' queue in front of BEGIN IMMEDIATE, so that a writer waiting for
+        # the lock is woken when it is free, not by the busy handler's sleeps.
+        turns = dialect.writer_queue(make_url(self.url)) if sqlite else None
 
         def round_(acks: list[tuple[int, int]], limit: int) -> Any:
-            if not sqlite:
+            if turns is None:
                 return r.run(conn, self.qid, wid, acks, limit)
-            conn.execute("BEGIN IMMEDIATE")
-            got = r.run(conn, self.qid, wid, acks, limit)
-            conn.execute("COMMIT")
+            with turns.turn():
+                conn.execute("BEGIN IMMEDIATE")
+                got = r.run(conn, self.qid, wid, acks, limit)
+                conn.execute("COMMIT")
             return got
 
         acks: list[tuple[int, int]] = []
