@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Optional, Union
 
+from sqlalchemy.engine import make_url
+
 from wq_sql.errors import InvalidInput, QueueEmpty, QueueExhausted
 from wq_sql.ledger import Ledger, Mark
 from wq_sql.queue import WorkItem, WorkQueue, prepare_children
@@ -72,9 +74,19 @@ class QueueConfig:
     lease_ahead: Optional[int] = None  # None: sized by the core (pacer.Sizer)
     options: dict[str, Any] = field(default_factory=dict)  # lease_seconds=, heartbeat_seconds=, ...
 
-    def open(self, worker: str, *, auto_complete: bool = False) -> WorkQueue:
+    def open(self, worker: str, *, auto_complete: bool = False, inline: bool = False) -> WorkQueue:
+        """``inline``: a loader's queue object, which claims in the caller's thread on SQLite
+        (``claim_ahead=False`` unless the options say otherwise; see ``Loader``)."""
+        options = self.options
+        if inline and self.in_process():
+            options = {"claim_ahead": False, **options}
         return WorkQueue.attach(self.name, url=self.url, schema=self.schema, worker=worker,
-                                auto_complete=auto_complete, lease_ahead=self.lease_ahead, **self.options)
+                                auto_complete=auto_complete, lease_ahead=self.lease_ahead, **options)
+
+    def in_process(self) -> bool:
+        """Whether a claim round is this process's own work (SQLite: the database is a library
+        in it), not a wait for a server."""
+        return make_url(self.url).get_backend_name() == "sqlite"
 
     def key(self) -> tuple[str, str, Optional[str]]:
         return (self.url, self.name, self.schema)
@@ -154,7 +166,14 @@ class Loader:
 
     def __init__(self, config: QueueConfig, worker: str, complete_read: bool = False,
                  keys: bool = False) -> None:
-        self.queue = config.open(worker, auto_complete=complete_read)
+        self.queue = config.open(worker, auto_complete=complete_read, inline=True)
+        # Claim rounds in a background thread (the refill thread, kicked after each hand-out) only
+        # where a round waits for a server (Postgres), which the reading then overlaps. On SQLite
+        # a round is CPU work of this process: another thread only moves it, at the price of two
+        # rounds for one (half a round inline, the rest in the background) and the thread's
+        # switches; a DataLoader worker reading files is CPU-bound (bench/torch_threads.py, 1,000
+        # x 100-line files: rounds per worker 29-33 -> 15-18, worker CPU above static +31 -> +25 ms).
+        self.ahead = not complete_read and not config.in_process()
         # consumed="taken": DeepRec's rule, an item is done when the next one is taken; one item
         # per take then, and a later epoch's item goes straight back to the queue.
         self.complete_read = complete_read
@@ -222,14 +241,16 @@ class Loader:
             q = self.queue
             try:
                 # With an empty buffer, claim one hand-out's worth; the refill thread claims the
-                # rest while these are read, and tops the buffer up after each hand-out.
-                got = q.take_many(self._chunk, timeout=0, claim=min(self._chunk, self._claim_size()))
+                # rest while these are read, and tops the buffer up after each hand-out. Inline
+                # (no refill thread), a whole round.
+                claim = min(self._chunk, self._claim_size()) if self.ahead else self._claim_size()
+                got = q.take_many(self._chunk, timeout=0, claim=claim)
             except (QueueEmpty, QueueExhausted):
                 got = self._last_take()
                 if not got:
                     self.ended = True
                     return None
-            if not self.complete_read:
+            if self.ahead:
                 q.refill_soon(self._chunk)
             for item in got:
                 self._last_seq[item.epoch] = max(item.seq, self._last_seq.get(item.epoch, -1))
@@ -238,7 +259,9 @@ class Loader:
     @property
     def _chunk(self) -> int:
         """Items per take: half a round (the size in force, which the core may resize), so that the
-        refill thread claims the other half while these are read; one with consumed='taken'."""
+        refill thread claims the other half while these are read (inline, the other half waits in
+        the buffer: two hand-outs per round let the automatic size grow twice as fast); one with
+        consumed='taken'."""
         return 1 if self.complete_read else max(1, (self.queue.lease_ahead + 1) // 2)
 
     def _last_take(self) -> list[WorkItem]:
