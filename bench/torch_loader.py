@@ -282,20 +282,32 @@ def rank_main(job: dict[str, Any]) -> None:
     workers = {"num_workers": job["workers"], "persistent_workers": True, "prefetch_factor": job["prefetch"]}
     files = job["files"]
 
-    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int, float, float]:
+    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int, float, float, dict[str, Any]]:
         n, first, slept = 0, 0.0, 0.0
+        waits: list[float] = []  # per batch: from the end of the last step (or the pass's start)
+        ends: list[float] = []  # per pass: from the end of its last step to the end of the loop
         dist.barrier()
         start = time.time()
         for epoch in range(job["epochs"]):
             if set_epoch is not None:
                 set_epoch(epoch)
+            mark = time.perf_counter()
             for _ in loader:
                 first = first or time.time()
                 t = time.perf_counter()
+                waits.append(t - mark)
                 time.sleep(seconds)
-                slept += time.perf_counter() - t
+                mark = time.perf_counter()
+                slept += mark - t
                 n += 1
-        return start, time.time(), n, first - start, slept
+            ends.append(time.perf_counter() - mark)
+        end = time.time()
+        ms = sorted(w * 1000 for w in waits[1:])  # the first batch is the start, reported apart
+        detail = {"wait p50": statistics.median(ms), "wait p90": ms[int(0.9 * len(ms))], "wait max": ms[-1],
+                  "wait sum": sum(ms), "waits > 5 ms": sum(w > 5 for w in ms),
+                  "pass ends": [round(e * 1000, 1) for e in ends],
+                  "last step ended": end - ends[-1] - start}
+        return start, end, n, first - start, slept, detail
 
     sampler = torch.utils.data.DistributedSampler(Files(files), shuffle=True, seed=1)
     static = run(TorchLoader(Files(files), batch_size=None, sampler=sampler, **workers), sampler.set_epoch)
@@ -354,6 +366,16 @@ def long_tail(a: argparse.Namespace) -> None:
                   f"{span['queue'] / ideal:>11.2f}x  {span['static'] / ideal:>11.2f}x  "
                   f"{first['static']:.2f}/{first['queue']:.2f} s  {as_run:>18.2f} s  "
                   f"{span['queue'] / as_run:>10.2f}x  {counts}  {outside['static']:.2f}/{outside['queue']:.2f}")
+            if a.detail:
+                t0 = {k: min(r[k][0] for r in results) for k in ("static", "queue")}
+                for k in ("static", "queue"):
+                    for rank, r in enumerate(results):
+                        d = r[k][5]
+                        print(f"       {k:6s} rank {rank}: {r[k][2]} batches, first {r[k][3] * 1000:.0f} ms, "
+                              f"waits for a batch p50 {d['wait p50']:.2f} / p90 {d['wait p90']:.2f} / max "
+                              f"{d['wait max']:.1f} ms, sum {d['wait sum']:.0f} ms, {d['waits > 5 ms']} > 5 ms; "
+                              f"last step ended at {(r[k][0] - t0[k] + d['last step ended']) * 1000:.0f} ms, "
+                              f"pass ends {d['pass ends']} ms, loop ended at {(r[k][1] - t0[k]) * 1000:.0f} ms")
 
 
 def _free_port() -> int:
@@ -401,6 +423,7 @@ def main() -> None:
     lt.add_argument("--seconds", type=float, default=0.01, help="per batch (one file) on a fast rank")
     lt.add_argument("--prefetch", type=int, default=1)
     lt.add_argument("--lease-ahead", type=lease_ahead, default=None, help="a number, or auto (the default)")
+    lt.add_argument("--detail", action="store_true", help="per rank: the waits for batches, the ends")
     a = ap.parse_args()
     info = machine()
     print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['load1']}, python {info['python']}, "
