@@ -27,7 +27,9 @@ the results), the last one 4x slower per batch (a sleep: its GPU, or its machine
 gradient all-reduce (an offline job or asynchronous training: ranks that do not wait for each
 other). Each rank reads one file per batch with ``num_workers`` DataLoader workers (persistent),
 first through ``DistributedSampler`` (static: every rank the same number of files), then through
-wq_sql, ``--epochs`` passes each. Makespan = last rank's end - the common start, measured for
+an oracle's static split (:class:`SpeedShare`: shares proportional to the ranks' known speeds, a
+reference that pays the DataLoader's own start and per-batch costs, shown beside the ideal), then
+through wq_sql, ``--epochs`` passes each. Makespan = last rank's end - the common start, measured for
 both; ideal = the batches' sleep time shared perfectly (total work / total speed), which leaves
 out what both sides pay to start (the slowest rank's first batch, static/wq_sql, is printed: the
 DataLoader workers' start and, for wq_sql, each worker opening the queue). "ideal (steps as
@@ -274,6 +276,27 @@ class Files(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return read_lines(self.files[i])
 
 
+class SpeedShare(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """The oracle's static split: each epoch's shuffled indices cut in shares proportional to the
+    ranks' known speeds (what a static split could do if it knew them in advance): the same
+    DataLoader, the same start and per-batch costs as the queue's run, no queue."""
+
+    def __init__(self, n: int, speeds: list[float], rank: int, seed: int) -> None:
+        bounds = [round(n * sum(speeds[:r]) / sum(speeds)) for r in range(len(speeds) + 1)]
+        self.lo, self.hi, self.n, self.seed, self.epoch = bounds[rank], bounds[rank + 1], n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g)[self.lo:self.hi].tolist())
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+
 def rank_main(job: dict[str, Any]) -> None:
     """One rank of ``long-tail`` (started by :func:`long_tail` with torchrun's environment)."""
     dist.init_process_group("gloo")
@@ -311,11 +334,14 @@ def rank_main(job: dict[str, Any]) -> None:
 
     sampler = torch.utils.data.DistributedSampler(Files(files), shuffle=True, seed=1)
     static = run(TorchLoader(Files(files), batch_size=None, sampler=sampler, **workers), sampler.set_epoch)
+    speeds = [1 / (job["seconds"] * (job["slow"] if r == world - 1 else 1)) for r in range(world)]
+    share = SpeedShare(len(files), speeds, rank, seed=1)
+    oracle = run(TorchLoader(Files(files), batch_size=None, sampler=share, **workers), share.set_epoch)
     ds = QueueDataset(files, num_epochs=job["epochs"], name=job["queue"], url=job["url"], read=read_lines,
                       lease_ahead=job["lease_ahead"], seed=1)
     queued = run(DataLoader(ds, batch_size=job["lines"], **workers))
     results: list[Any] = [None] * world
-    dist.all_gather_object(results, {"seconds": seconds, "static": static, "queue": queued})
+    dist.all_gather_object(results, {"seconds": seconds, "static": static, "queue": queued, "oracle": oracle})
     ds.close()
     dist.barrier()
     if rank == 0:
@@ -351,10 +377,11 @@ def long_tail(a: argparse.Namespace) -> None:
             assert all(p.returncode == 0 for p in procs), "a rank failed"
             results = json.loads(outs[0].strip().splitlines()[-1])
             wq_sql.drop_queue(queue, url)
-            span = {k: max(r[k][1] for r in results) - min(r[k][0] for r in results) for k in ("static", "queue")}
+            span = {k: max(r[k][1] for r in results) - min(r[k][0] for r in results)
+                    for k in ("static", "queue", "oracle")}
             ideal = len(files) * a.epochs / sum(1 / r["seconds"] for r in results)
             counts = [r["queue"][2] for r in results]
-            first = {k: max(r[k][3] for r in results) for k in ("static", "queue")}
+            first = {k: max(r[k][3] for r in results) for k in ("static", "queue", "oracle")}
             # The same ideal with each rank's steps as long as they really were in the wq_sql run
             # (a loaded machine wakes a sleep late): what is left above it is the loader's.
             as_run = len(files) * a.epochs / sum(r["queue"][2] / r["queue"][4] for r in results)
@@ -366,9 +393,13 @@ def long_tail(a: argparse.Namespace) -> None:
                   f"{span['queue'] / ideal:>11.2f}x  {span['static'] / ideal:>11.2f}x  "
                   f"{first['static']:.2f}/{first['queue']:.2f} s  {as_run:>18.2f} s  "
                   f"{span['queue'] / as_run:>10.2f}x  {counts}  {outside['static']:.2f}/{outside['queue']:.2f}")
+            print(f"     oracle (a static split by the known speeds, files per rank "
+                  f"{[r['oracle'][2] for r in results]}): {span['oracle']:.2f} s, {span['oracle'] / ideal:.2f}x "
+                  f"of the ideal, first batch {first['oracle']:.2f} s; wq_sql / oracle "
+                  f"{span['queue'] / span['oracle']:.2f}x")
             if a.detail:
-                t0 = {k: min(r[k][0] for r in results) for k in ("static", "queue")}
-                for k in ("static", "queue"):
+                t0 = {k: min(r[k][0] for r in results) for k in ("static", "queue", "oracle")}
+                for k in ("static", "oracle", "queue"):
                     for rank, r in enumerate(results):
                         d = r[k][5]
                         print(f"       {k:6s} rank {rank}: {r[k][2]} batches, first {r[k][3] * 1000:.0f} ms, "
