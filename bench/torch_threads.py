@@ -75,6 +75,23 @@ def _count_rounds() -> None:
 
     handout.Dispenser._claim = counted  # type: ignore[method-assign]
 
+    from wq_sql.torch import handoff
+
+    flush = handoff.Acks.flush
+
+    def timed_flush(self: Any) -> None:
+        t = time.monotonic()
+        _main_marks["flush start"] = t
+        try:
+            flush(self)
+        finally:
+            _main_marks["flush end"] = time.monotonic()
+
+    handoff.Acks.flush = timed_flush  # type: ignore[method-assign]
+
+
+_main_marks: dict[str, float] = {}
+
 
 def _kind(name: str) -> str:
     """A thread's name without what differs per object or per thread (queue name, counter)."""
@@ -217,7 +234,9 @@ def one_pass(loader: Any, expect: int, prof: Any) -> dict[str, Any]:
     if prof is not None:
         prof.disable()
     assert n == expect, (n, expect)
-    return {"t0": t0, "first batch": first, "last batch": last, "cpu": cpu.stop()}
+    marks = {k: v for k, v in _main_marks.items() if v >= t0}
+    _main_marks.clear()
+    return {"t0": t0, "first batch": first, "last batch": last, "cpu": cpu.stop(), **marks}
 
 
 def main() -> None:
@@ -272,8 +291,8 @@ def _med(xs: list[float]) -> float:
 def report(mains: dict[str, list[dict[str, Any]]], workers: list[dict[str, Any]]) -> None:
     kinds = ["static", "wq_sql"]
     print("\nwall, ms (medians):            " + "  ".join(f"{k:>10}" for k in kinds))
-    for label in ("first batch", "last batch"):
-        print(f"  {label:28s}" + "  ".join(f"{_med([m[label] - m['t0'] for m in mains[k]]) * 1000:10.1f}"
+    for label in ("first batch", "flush start", "flush end", "last batch"):
+        print(f"  {label:28s}" + "  ".join(f"{_med([m[label] - m['t0'] for m in mains[k] if label in m]) * 1000:10.1f}"
                                            for k in kinds))
     for label in ("start", "first record", "last record", "exit"):
         vals = []
