@@ -17,12 +17,19 @@ The CPU column: median milliseconds of CPU (user + system) of the main process a
 DataLoader workers per run (on 2 cores the static loader is CPU-bound, so what wq_sql adds in
 CPU, anywhere, is what its time adds).
 
+``--floor N``: a third side, :class:`DurableFloor`, the static loader plus only the durable
+statements wq_sql makes per item (claim rounds of N items, each marking the previous round's
+done with their history rows), by the raw driver: what any loader that claims and completes
+every item durably costs at least, so ``static / floor`` bounds the ratio reachable here.
+
 ``long-tail``: ``--ranks`` processes with torchrun's environment (gloo for the start line and
 the results), the last one 4x slower per batch (a sleep: its GPU, or its machine, is slower), no
 gradient all-reduce (an offline job or asynchronous training: ranks that do not wait for each
 other). Each rank reads one file per batch with ``num_workers`` DataLoader workers (persistent),
 first through ``DistributedSampler`` (static: every rank the same number of files), then through
-wq_sql, ``--epochs`` passes each. Makespan = last rank's end - the common start, measured for
+an oracle's static split (:class:`SpeedShare`: shares proportional to the ranks' known speeds, a
+reference that pays the DataLoader's own start and per-batch costs, shown beside the ideal), then
+through wq_sql, ``--epochs`` passes each. Makespan = last rank's end - the common start, measured for
 both; ideal = the batches' sleep time shared perfectly (total work / total speed), which leaves
 out what both sides pay to start (the slowest rank's first batch, static/wq_sql, is printed: the
 DataLoader workers' start and, for wq_sql, each worker opening the queue). "ideal (steps as
@@ -88,6 +95,78 @@ class StaticFiles(IterableDataset):  # type: ignore[type-arg]
             yield from read_lines(path)
 
 
+class DurableFloor(IterableDataset):  # type: ignore[type-arg]
+    """A floor under any queue-fed loader with these guarantees (``--floor``): the static
+    reference's reading plus only the durable statements wq_sql makes per item, sent by the raw
+    driver from each DataLoader worker: claim rounds of ``n`` items (``claim.ClaimRound``, the
+    statement wq_sql runs), each also marking the previous round's items done, with their history
+    rows and counters. No trainer side, no hand-over of items, no heartbeat, no Python of wq_sql
+    but the round's own. The queue and one worker row per DataLoader worker are made beforehand
+    (:func:`floor_queue`), outside the time."""
+
+    def __init__(self, url: str, qid: int, worker_ids: list[int], n: int) -> None:
+        self.url, self.qid, self.worker_ids, self.n = url, qid, worker_ids, n
+
+    def __iter__(self) -> Any:
+        from sqlalchemy.engine import make_url
+
+        from wq_sql.claim import ClaimRound
+        from wq_sql.dialects import Dialect
+
+        info = get_worker_info()
+        wid = self.worker_ids[info.id if info is not None else 0]
+        sqlite = self.url.startswith("sqlite")
+        if sqlite:
+            import sqlite3
+
+            conn: Any = sqlite3.connect(self.url.split("///", 1)[1], isolation_level=None, timeout=30)
+        else:
+            import psycopg2
+
+            u = make_url(self.url)
+            conn = psycopg2.connect(host=u.host, port=u.port, user=u.username, password=u.password,
+                                    dbname=u.database)
+            conn.autocommit = True  # the round is one statement, its own transaction
+        dialect = Dialect("sqlite" if sqlite else "postgresql")
+        r = ClaimRound(dialect, self.n, 60.0)
+        # SQLite: wq_sql's writers' queue in front of BEGIN IMMEDIATE, so that a writer waiting for
+        # the lock is woken when it is free, not by the busy handler's sleeps.
+        turns = dialect.writer_queue(make_url(self.url)) if sqlite else None
+
+        def round_(acks: list[tuple[int, int]], limit: int) -> Any:
+            if turns is None:
+                return r.run(conn, self.qid, wid, acks, limit)
+            with turns.turn():
+                conn.execute("BEGIN IMMEDIATE")
+                got = r.run(conn, self.qid, wid, acks, limit)
+                conn.execute("COMMIT")
+            return got
+
+        acks: list[tuple[int, int]] = []
+        while True:
+            _, claimed, works = round_(acks, self.n)
+            if not claimed:
+                break
+            acks = [(c.id, c.token) for c in claimed]
+            for c in claimed:
+                yield from read_lines(works[c.work_idx])
+        round_(acks, 0)
+        conn.close()
+
+
+def floor_queue(files: list[str], url: str, name: str, workers: int) -> tuple[int, list[int]]:
+    """For :class:`DurableFloor`: a queue of ``files`` and ``workers`` registered worker rows
+    (closed queue objects: their rows stay), as ``(queue id, worker ids)``."""
+    wq_sql.WorkQueue(files, name=name, url=url, shuffle=True, worker="floor-maker").close()
+    ids = []
+    for k in range(workers):
+        q = wq_sql.WorkQueue.attach(name, url=url, worker=f"floor{k}")
+        ids.append(q.worker_id)
+        qid = q._qid
+        q.close()
+    return qid, ids
+
+
 def timed_passes(loader: Any, epochs: int, expect: int, save_every: int = 0) -> float:
     """Seconds for ``epochs`` passes; ``save_every``: take ``loader.state_dict()`` every that many
     batches and at each pass end, confirmed at the end (consumed='checkpoint': the saves'
@@ -123,7 +202,8 @@ def throughput(a: argparse.Namespace) -> None:
         for la in a.lease_ahead:
             static_s: list[float] = []
             queue_s: dict[str, list[float]] = {c: [] for c in a.consumed}
-            cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed]}
+            cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed, "floor"]}
+            floor_s: list[float] = []
             for _ in range(a.runs):  # interleaved: static, then each consumed= in turn
                 with cpu_into(cpu["static"]):
                     static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs,
@@ -138,7 +218,17 @@ def throughput(a: argparse.Namespace) -> None:
                                                               save_every))
                     ds.close()
                     wq_sql.drop_queue(name, url)
+                if a.floor and a.epochs == 1:
+                    name = f"fl_{uuid.uuid4().hex[:8]}"
+                    qid, ids = floor_queue(files, url, name, a.workers)
+                    with cpu_into(cpu["floor"]):
+                        floor_s.append(timed_passes(TorchLoader(DurableFloor(url, qid, ids, a.floor), **workers),
+                                                    1, records))
+                    wq_sql.drop_queue(name, url)
             ms = statistics.median(static_s)
+            if floor_s:
+                rows.append((la, f"floor {a.floor}", ms, statistics.median(floor_s), min(static_s), min(floor_s),
+                             median_cpu(cpu["static"]), median_cpu(cpu["floor"])))
             for consumed, times in queue_s.items():
                 mq = statistics.median(times)
                 rows.append((la, consumed, ms, mq, min(static_s), min(times), median_cpu(cpu["static"]),
@@ -186,6 +276,27 @@ class Files(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return read_lines(self.files[i])
 
 
+class SpeedShare(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """The oracle's static split: each epoch's shuffled indices cut in shares proportional to the
+    ranks' known speeds (what a static split could do if it knew them in advance): the same
+    DataLoader, the same start and per-batch costs as the queue's run, no queue."""
+
+    def __init__(self, n: int, speeds: list[float], rank: int, seed: int) -> None:
+        bounds = [round(n * sum(speeds[:r]) / sum(speeds)) for r in range(len(speeds) + 1)]
+        self.lo, self.hi, self.n, self.seed, self.epoch = bounds[rank], bounds[rank + 1], n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g)[self.lo:self.hi].tolist())
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+
 def rank_main(job: dict[str, Any]) -> None:
     """One rank of ``long-tail`` (started by :func:`long_tail` with torchrun's environment)."""
     dist.init_process_group("gloo")
@@ -194,28 +305,43 @@ def rank_main(job: dict[str, Any]) -> None:
     workers = {"num_workers": job["workers"], "persistent_workers": True, "prefetch_factor": job["prefetch"]}
     files = job["files"]
 
-    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int, float, float]:
+    def run(loader: Any, set_epoch: Any = None) -> tuple[float, float, int, float, float, dict[str, Any]]:
         n, first, slept = 0, 0.0, 0.0
+        waits: list[float] = []  # per batch: from the end of the last step (or the pass's start)
+        ends: list[float] = []  # per pass: from the end of its last step to the end of the loop
         dist.barrier()
         start = time.time()
         for epoch in range(job["epochs"]):
             if set_epoch is not None:
                 set_epoch(epoch)
+            mark = time.perf_counter()
             for _ in loader:
                 first = first or time.time()
                 t = time.perf_counter()
+                waits.append(t - mark)
                 time.sleep(seconds)
-                slept += time.perf_counter() - t
+                mark = time.perf_counter()
+                slept += mark - t
                 n += 1
-        return start, time.time(), n, first - start, slept
+            ends.append(time.perf_counter() - mark)
+        end = time.time()
+        ms = sorted(w * 1000 for w in waits[1:])  # the first batch is the start, reported apart
+        detail = {"wait p50": statistics.median(ms), "wait p90": ms[int(0.9 * len(ms))], "wait max": ms[-1],
+                  "wait sum": sum(ms), "waits > 5 ms": sum(w > 5 for w in ms),
+                  "pass ends": [round(e * 1000, 1) for e in ends],
+                  "last step ended": end - ends[-1] - start}
+        return start, end, n, first - start, slept, detail
 
     sampler = torch.utils.data.DistributedSampler(Files(files), shuffle=True, seed=1)
     static = run(TorchLoader(Files(files), batch_size=None, sampler=sampler, **workers), sampler.set_epoch)
+    speeds = [1 / (job["seconds"] * (job["slow"] if r == world - 1 else 1)) for r in range(world)]
+    share = SpeedShare(len(files), speeds, rank, seed=1)
+    oracle = run(TorchLoader(Files(files), batch_size=None, sampler=share, **workers), share.set_epoch)
     ds = QueueDataset(files, num_epochs=job["epochs"], name=job["queue"], url=job["url"], read=read_lines,
                       lease_ahead=job["lease_ahead"], seed=1)
     queued = run(DataLoader(ds, batch_size=job["lines"], **workers))
     results: list[Any] = [None] * world
-    dist.all_gather_object(results, {"seconds": seconds, "static": static, "queue": queued})
+    dist.all_gather_object(results, {"seconds": seconds, "static": static, "queue": queued, "oracle": oracle})
     ds.close()
     dist.barrier()
     if rank == 0:
@@ -251,10 +377,11 @@ def long_tail(a: argparse.Namespace) -> None:
             assert all(p.returncode == 0 for p in procs), "a rank failed"
             results = json.loads(outs[0].strip().splitlines()[-1])
             wq_sql.drop_queue(queue, url)
-            span = {k: max(r[k][1] for r in results) - min(r[k][0] for r in results) for k in ("static", "queue")}
+            span = {k: max(r[k][1] for r in results) - min(r[k][0] for r in results)
+                    for k in ("static", "queue", "oracle")}
             ideal = len(files) * a.epochs / sum(1 / r["seconds"] for r in results)
             counts = [r["queue"][2] for r in results]
-            first = {k: max(r[k][3] for r in results) for k in ("static", "queue")}
+            first = {k: max(r[k][3] for r in results) for k in ("static", "queue", "oracle")}
             # The same ideal with each rank's steps as long as they really were in the wq_sql run
             # (a loaded machine wakes a sleep late): what is left above it is the loader's.
             as_run = len(files) * a.epochs / sum(r["queue"][2] / r["queue"][4] for r in results)
@@ -266,6 +393,20 @@ def long_tail(a: argparse.Namespace) -> None:
                   f"{span['queue'] / ideal:>11.2f}x  {span['static'] / ideal:>11.2f}x  "
                   f"{first['static']:.2f}/{first['queue']:.2f} s  {as_run:>18.2f} s  "
                   f"{span['queue'] / as_run:>10.2f}x  {counts}  {outside['static']:.2f}/{outside['queue']:.2f}")
+            print(f"     oracle (a static split by the known speeds, files per rank "
+                  f"{[r['oracle'][2] for r in results]}): {span['oracle']:.2f} s, {span['oracle'] / ideal:.2f}x "
+                  f"of the ideal, first batch {first['oracle']:.2f} s; wq_sql / oracle "
+                  f"{span['queue'] / span['oracle']:.2f}x")
+            if a.detail:
+                t0 = {k: min(r[k][0] for r in results) for k in ("static", "queue", "oracle")}
+                for k in ("static", "oracle", "queue"):
+                    for rank, r in enumerate(results):
+                        d = r[k][5]
+                        print(f"       {k:6s} rank {rank}: {r[k][2]} batches, first {r[k][3] * 1000:.0f} ms, "
+                              f"waits for a batch p50 {d['wait p50']:.2f} / p90 {d['wait p90']:.2f} / max "
+                              f"{d['wait max']:.1f} ms, sum {d['wait sum']:.0f} ms, {d['waits > 5 ms']} > 5 ms; "
+                              f"last step ended at {(r[k][0] - t0[k] + d['last step ended']) * 1000:.0f} ms, "
+                              f"pass ends {d['pass ends']} ms, loop ended at {(r[k][1] - t0[k]) * 1000:.0f} ms")
 
 
 def _free_port() -> int:
@@ -300,6 +441,9 @@ def main() -> None:
     tp.add_argument("--lease-ahead", type=lease_ahead, nargs="+", default=[None],
                     help="items per claim round, or auto (the default: the core's automatic size)")
     tp.add_argument("--persistent", action="store_true")
+    tp.add_argument("--floor", type=int, default=0, metavar="N",
+                    help="also time DurableFloor: the static loader plus only the durable statements per "
+                         "item (claim rounds of N, each marking the last round's items done), raw driver")
     tp.add_argument("--consumed", choices=["trained", "checkpoint"], nargs="+", default=["trained"],
                     help="both: each run measures them in turn (checkpoint mode's cost, same run)")
     tp.add_argument("--save-every", type=int, default=50, help="batches between state_dict() (checkpoint)")
@@ -310,6 +454,7 @@ def main() -> None:
     lt.add_argument("--seconds", type=float, default=0.01, help="per batch (one file) on a fast rank")
     lt.add_argument("--prefetch", type=int, default=1)
     lt.add_argument("--lease-ahead", type=lease_ahead, default=None, help="a number, or auto (the default)")
+    lt.add_argument("--detail", action="store_true", help="per rank: the waits for batches, the ends")
     a = ap.parse_args()
     info = machine()
     print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['load1']}, python {info['python']}, "

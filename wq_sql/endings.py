@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from wq_sql import ops
 from wq_sql.db import Db
@@ -19,6 +19,11 @@ from wq_sql.holdings import WorkItem
 from wq_sql.leaving import Leaving
 
 log = logging.getLogger("wq_sql")
+Handout = Union[WorkItem, tuple[int, int]]  # a hand-out, or its (id, token) key
+
+
+def _key(item: Handout) -> tuple[int, int]:
+    return item.key if isinstance(item, WorkItem) else item
 
 
 class Endings:
@@ -97,12 +102,13 @@ class Endings:
         held = {(c.id, c.token) for c in self.db.tx(lambda c: ops.held_by(c, self.qid, wid), read=True)}
         return [i for i in items if i.key in held]
 
-    def complete_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
-        """Mark done items other workers (``{holder worker id: items}``) handed to this process."""
+    def complete_handed(self, handed: Mapping[int, Sequence[Handout]]) -> list[Handout]:
+        """Mark done items other workers (``{holder worker id: items}``) handed to this process,
+        each a ``WorkItem`` or its ``(id, token)`` key; returns those whose lease was lost."""
         d = self.d
         with d.lock:
             d.check_usable()
-        work = [(holder, [i.key for i in items]) for holder, items in handed.items() if items]
+        work = [(holder, [_key(i) for i in items]) for holder, items in handed.items() if items]
 
         def done(conn: Any) -> set[int]:
             # The claim round's acknowledgement, claiming nothing: the hot path's statement,
@@ -116,8 +122,13 @@ class Endings:
         missing = [k for _, keys in work for k in keys if k[0] not in accepted]
         if missing:  # rare: an outage may have lost a committed round's reply
             accepted |= self.db.tx(lambda c: ops.done_already(c, missing), read=True)
-        with d.lock:
-            lost = d.book.settle([i for items in handed.values() for i in items], accepted, d.rules.name)
+        lost = [i for items in handed.values() for i in items if _key(i)[0] not in accepted]
+        if lost:  # the book of this object never held them: only the warning of Holdings.settle
+            which = ", ".join(f"(epoch {i.epoch}, seq {i.seq})" if isinstance(i, WorkItem) else f"(id {i[0]})"
+                              for i in lost)
+            log.warning("%d item(s) of queue %r were finished after their lease expired and were handed "
+                        "to another worker meanwhile; their completion was rejected: %s", len(lost),
+                        d.rules.name, which)
         if accepted:
             d.after_acks()
         return lost

@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL
 from wq_sql import ops, registry
 from wq_sql.claim import ClaimRound
 from wq_sql.db import LOCK_SLICE, Db
-from wq_sql.endings import Endings
+from wq_sql.endings import Endings, Handout
 from wq_sql.engine import keep_for_children, resolve_url, safe_url, worker_engine
 from wq_sql.epochs import EpochMaker, Order
 from wq_sql.errors import InvalidInput, QueueExhausted
@@ -445,11 +445,13 @@ class WorkQueue:
         self._ensure_process()
         return self._endings.still_held(items)
 
-    def complete_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
+    def complete_handed(self, handed: Mapping[int, Sequence[Handout]]) -> list[Handout]:
         """Mark done, in one transaction, items that other workers of this queue claimed and handed
-        to this process: ``{holder: items}``, each holder by its :attr:`worker_id`. Fenced by
-        ``(id, token)`` like :meth:`complete`; the events and counters name the holder. Returns the
-        items whose lease was lost (another worker holds or finished them), logged, not raised."""
+        to this process: ``{holder: items}``, each holder by its :attr:`worker_id`, each item the
+        ``WorkItem`` or its ``item.key``, ``(id, token)`` (what a process that never holds the
+        items needs, and the cheapest to send it). Fenced by ``(id, token)`` like :meth:`complete`;
+        the events and counters name the holder. Returns the items (or keys) whose lease was lost
+        (another worker holds or finished them), logged, not raised."""
         self._ensure_process()
         return self._endings.complete_handed(handed)
 

@@ -31,12 +31,14 @@ def strip(counter: Counter[str]) -> Counter[str]:
 def test_two_ranks_ddp_two_workers_two_epochs(db_url: str, tmp_path: Path) -> None:
     """2 gloo ranks under DDP x DataLoader num_workers=2 over 200 files, rank 1's input pipeline
     slow (30 ms per file): each epoch's records exactly once. DDP steps the ranks together, so the
-    fast rank's loader runs ahead and holds more when the queue runs dry: it ends each pass with
-    more batches, and join() lets it finish them while the other rank has stopped."""
+    fast rank's loader runs ahead (its workers read 8 batches ahead each) and holds more when the
+    queue runs dry: it ends each pass with more batches, and join() lets it finish them while the
+    other rank has stopped. (Without the deeper read-ahead the ends may come out even: on SQLite a
+    loader claims only when it reads, with no refill thread claiming ahead.)"""
     files, lines = write_files(tmp_path / "data", 200, 5)
     log = tmp_path / "log"
     job = {"url": db_url, "queue": "ddp", "files": files, "num_epochs": 2, "num_workers": 2, "batch_size": 4,
-           "dist": True, "log": str(log)}
+           "dist": True, "log": str(log), "prefetch_factor": {"0": 8}}
     port = free_port()
     procs = [start_rank(job, r, 2, port, read_seconds=0.0 if r == 0 else 0.03) for r in range(2)]
     reports = [finish(p) for p in procs]

@@ -60,6 +60,8 @@ def main() -> None:
     if loader_args["num_workers"]:
         loader_args["multiprocessing_context"] = job.get("context", "fork")
         loader_args["persistent_workers"] = bool(job.get("persistent"))
+        if str(rank) in job.get("prefetch_factor", {}):  # {rank: batches each worker reads ahead}
+            loader_args["prefetch_factor"] = job["prefetch_factor"][str(rank)]
     if job.get("mode", "dataset") == "dataset":
         ds = QueueDataset(job["files"], num_epochs=job["num_epochs"], seed=7, name=job["queue"],
                           url=job["url"], read=read_lines, lease_ahead=job.get("lease_ahead", 4), **options)

@@ -18,8 +18,8 @@ from wq_sql.errors import InvalidInput
 from wq_sql.plan import Work
 from wq_sql.queue import WorkItem
 from wq_sql.torch.handoff import (
-    Handed,
     Loader,
+    Notes,
     QueueConfig,
     check_consumed,
     check_epochs,
@@ -128,7 +128,8 @@ class QueuePasses:
                 "so a crash loses what the loader read ahead)")
         if self._loader is None or self._loader_pid != os.getpid():
             taken = self.consumed == "taken"
-            self._loader = Loader(self.config, f"{self.worker}/{role}", complete_read=taken)
+            self._loader = Loader(self.config, f"{self.worker}/{role}", complete_read=taken,
+                                  keys=self.consumed == "trained")
             self._loader_pid = os.getpid()
         self._loader.start(self._epoch_limit())
         return self._loader
@@ -141,10 +142,10 @@ class QueuePasses:
         self._loader, self._loader_pid = None, 0
         close_main_queue(self.config, self.worker)
 
-    def drain(self) -> list[Handed]:
+    def drain(self) -> Notes:
         """For the batch being made in this process: the items whose last record it holds."""
         if self._loader is None or self._loader_pid != os.getpid():
-            return []
+            return ()
         return self._loader.drain()
 
     def _warn_epoch(self, loader: Loader) -> None:

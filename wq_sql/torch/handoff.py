@@ -6,7 +6,9 @@ Two sides, usually in different processes:
   :class:`~wq_sql.torch.QueueSampler`): a :class:`Loader` per process claims the items of each
   pass (:meth:`Loader.next_item`), notes when the last record of an item was handed to the
   DataLoader (:meth:`Loader.read_out`), and gives the notes of the items whose last record is in
-  a batch to that batch (:meth:`Loader.drain`): a list of :class:`Handed`. The loader never
+  a batch to that batch (:meth:`Loader.drain`): their :data:`Keys` (``consumed="trained"``),
+  or a list of :class:`Handed` (``consumed="checkpoint"``, whose trainer side adopts the items
+  themselves). The loader never
   marks an item done, so its read-ahead (DataLoader prefetch, workers running ahead) never does.
 - **Trainer side** (the main process): :class:`Acks` marks an item done once the training step of
   the batch that carried its last record is over, which is when the training loop asks for the
@@ -45,7 +47,10 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from itertools import chain
+from typing import Any, Optional, Union
+
+from sqlalchemy.engine import make_url
 
 from wq_sql.errors import InvalidInput, QueueEmpty, QueueExhausted
 from wq_sql.ledger import Ledger, Mark
@@ -69,9 +74,19 @@ class QueueConfig:
     lease_ahead: Optional[int] = None  # None: sized by the core (pacer.Sizer)
     options: dict[str, Any] = field(default_factory=dict)  # lease_seconds=, heartbeat_seconds=, ...
 
-    def open(self, worker: str, *, auto_complete: bool = False) -> WorkQueue:
+    def open(self, worker: str, *, auto_complete: bool = False, inline: bool = False) -> WorkQueue:
+        """``inline``: a loader's queue object, which claims in the caller's thread on SQLite
+        (``claim_ahead=False`` unless the options say otherwise; see ``Loader``)."""
+        options = self.options
+        if inline and self.in_process():
+            options = {"claim_ahead": False, **options}
         return WorkQueue.attach(self.name, url=self.url, schema=self.schema, worker=worker,
-                                auto_complete=auto_complete, lease_ahead=self.lease_ahead, **self.options)
+                                auto_complete=auto_complete, lease_ahead=self.lease_ahead, **options)
+
+    def in_process(self) -> bool:
+        """Whether a claim round is this process's own work (SQLite: the database is a library
+        in it), not a wait for a server."""
+        return make_url(self.url).get_backend_name() == "sqlite"
 
     def key(self) -> tuple[str, str, Optional[str]]:
         return (self.url, self.name, self.schema)
@@ -112,6 +127,14 @@ def torch_run() -> Optional[tuple[str, int]]:
     return (run_id, int(restart))
 
 
+Keys = tuple[int, ...]
+"""The items whose last record went into one batch, as ``consumed="trained"`` sends them to the
+trainer: who claimed them (a ``WorkQueue.worker_id``) then each one's ``(id, token)``, flat:
+``(holder, id, token, id, token, ...)``, ``()`` for none. All the acknowledgement needs, and the
+cheapest to pickle: a batch's ``Handed`` objects (two per item, with the work string twice) cost
+~7 us more to pickle and ~8 us more to load per batch (``bench/torch_threads.py``)."""
+
+
 @dataclass(frozen=True)
 class Handed:
     """An item whose last record went into a batch: who claimed it (``holder``, a
@@ -126,6 +149,9 @@ class Handed:
         return (Handed, (self.holder, self.item))
 
 
+Notes = Union[Keys, list[Handed]]  # what one batch carries to the trainer (Loader.drain)
+
+
 class Loader:
     """The loader side in one process (see the module docstring): one queue worker identity,
     opened at its first pass and kept until the process ends (persistent DataLoader workers and the
@@ -138,11 +164,22 @@ class Loader:
     pass abandoned halfway, are kept for the next pass, which hands them out first (still claimed
     and renewed meanwhile); leaving the process gives them back (:meth:`close`)."""
 
-    def __init__(self, config: QueueConfig, worker: str, complete_read: bool = False) -> None:
-        self.queue = config.open(worker, auto_complete=complete_read)
+    def __init__(self, config: QueueConfig, worker: str, complete_read: bool = False,
+                 keys: bool = False) -> None:
+        self.queue = config.open(worker, auto_complete=complete_read, inline=not complete_read)
+        # Claim rounds in a background thread (the refill thread, kicked after each hand-out) only
+        # where a round waits for a server (Postgres), which the reading then overlaps. On SQLite
+        # a round is CPU work of this process: another thread only moves it, at the price of two
+        # rounds for one (half a round inline, the rest in the background) and the thread's
+        # switches; a DataLoader worker reading files is CPU-bound (bench/torch_threads.py, 1,000
+        # x 100-line files: rounds per worker 29-33 -> 15-18, worker CPU above static +31 -> +25 ms).
+        # (consumed="taken" is left as it was: one item claimed per take, the core's claim-ahead.)
+        self.ahead = not complete_read and not config.in_process()
+        self.inline = not complete_read and config.in_process()
         # consumed="taken": DeepRec's rule, an item is done when the next one is taken; one item
         # per take then, and a later epoch's item goes straight back to the queue.
         self.complete_read = complete_read
+        self.keys = keys  # drain() gives Keys (consumed="trained"), else Handed
         self.pid = os.getpid()
         self.epoch_limit: Optional[int] = None
         self.ended = True  # the pass ran out of items (False while it runs, and if abandoned)
@@ -206,14 +243,16 @@ class Loader:
             q = self.queue
             try:
                 # With an empty buffer, claim one hand-out's worth; the refill thread claims the
-                # rest while these are read, and tops the buffer up after each hand-out.
-                got = q.take_many(self._chunk, timeout=0, claim=min(self._chunk, self._claim_size()))
+                # rest while these are read, and tops the buffer up after each hand-out. Inline
+                # (no refill thread), a whole round.
+                claim = self._claim_size() if self.inline else min(self._chunk, self._claim_size())
+                got = q.take_many(self._chunk, timeout=0, claim=claim)
             except (QueueEmpty, QueueExhausted):
                 got = self._last_take()
                 if not got:
                     self.ended = True
                     return None
-            if not self.complete_read:
+            if self.ahead:
                 q.refill_soon(self._chunk)
             for item in got:
                 self._last_seq[item.epoch] = max(item.seq, self._last_seq.get(item.epoch, -1))
@@ -222,7 +261,9 @@ class Loader:
     @property
     def _chunk(self) -> int:
         """Items per take: half a round (the size in force, which the core may resize), so that the
-        refill thread claims the other half while these are read; one with consumed='taken'."""
+        refill thread claims the other half while these are read (inline, the other half waits in
+        the buffer: two hand-outs per round let the automatic size grow twice as fast); one with
+        consumed='taken'."""
         return 1 if self.complete_read else max(1, (self.queue.lease_ahead + 1) // 2)
 
     def _last_take(self) -> list[WorkItem]:
@@ -280,10 +321,11 @@ class Loader:
         except Exception as e:  # the database is away too: the lease brings it back
             log.warning("queue %r: could not record the failure of %r: %s", self.queue.name, item, e)
 
-    def drain(self) -> list[Handed]:
-        """The items whose last record is in the batch being made: it carries them to the trainer."""
+    def drain(self) -> Notes:
+        """The items whose last record is in the batch being made: it carries them to the trainer,
+        as :data:`Keys` if the loader was made with ``keys=True``, else as :class:`Handed`."""
         if not self._pending:
-            return []
+            return () if self.keys else []
         out, self._pending = self._pending, []
         self._handed.extend(out)
         now = time.monotonic()
@@ -294,6 +336,8 @@ class Loader:
             self.queue.hand_off([i for i in self._handed if id(i) not in kept])
             self._handed = held
         holder = self.queue.worker_id
+        if self.keys:
+            return (holder, *chain.from_iterable((i.item_id, i.token) for i in out))
         return [Handed(holder, i) for i in out]
 
     def close(self) -> None:
@@ -347,9 +391,12 @@ class Acks:
         # One ledger per trainer-side queue object: what the rank identity holds, whichever of
         # this process's DataLoaders trained it (a restore gives all of it back).
         self.ledger: Optional[Ledger] = _ledgers.setdefault(queue, Ledger()) if checkpoint else None
-        self.current: list[Handed] = []  # the batch yielded last: its training step is not over
+        self.current: Notes = ()  # the batch yielded last: its training step is not over
         self.saving: Optional[tuple[int, Mark]] = None  # a save point whose checkpoint is being saved
-        self._due: list[Handed] = []
+        # Trained, not yet sent: Keys per batch (consumed="trained", grouped by the sender, off
+        # the training loop's thread), else Handed per item; and how many items that is.
+        self._due: list[Any] = []
+        self._due_n = 0
         self._sent = time.monotonic()
         self.acknowledged = 0
         # consumed="trained": a pass's periodic acknowledgements, sent by one background thread
@@ -359,20 +406,25 @@ class Acks:
         if checkpoint:
             _at_exit_saved()
 
-    def yielded(self, handed: list[Handed]) -> None:
+    def yielded(self, handed: Notes) -> None:
         """A new batch is handed to the training loop: the step of the one before is over."""
         last, self.current = self.current, handed
         self.trained(last)
 
-    def trained(self, handed: list[Handed]) -> None:
+    def trained(self, handed: Notes) -> None:
         """The training step of the batch that carried these items is over. Checkpoint mode
         takes them over only at save points and pass ends (or ``ACK_ITEMS`` at a time): until
         then the loaders that read them hold and renew them, and a crash returns them the same."""
         if handed:
-            self._due.extend(handed)
+            if isinstance(handed, tuple):
+                self._due.append(handed)
+                self._due_n += len(handed) // 2
+            else:
+                self._due.extend(handed)
+                self._due_n += len(handed)
         while self._sending and self._sending[0].done():
             self._sending.popleft().result()  # a background acknowledgement's error, if any
-        if self._due and (len(self._due) >= ACK_ITEMS
+        if self._due and (self._due_n >= ACK_ITEMS
                           or (self.ledger is None and time.monotonic() - self._sent >= ACK_SECONDS)):
             if self.ledger is None:
                 self._send_soon()
@@ -386,7 +438,7 @@ class Acks:
         pass of ``bench/torch_loader.py``). :meth:`flush` (a pass's end or break) waits for them;
         an error is raised by the next call here or there."""
         self._sent = time.monotonic()
-        due, self._due = self._due, []
+        due, self._due, self._due_n = self._due, [], 0
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wq_sql-acks")
         self._sending.append(self._sender.submit(self._send, due))
@@ -399,20 +451,28 @@ class Acks:
         self._sent = time.monotonic()
         if not self._due:
             return
-        due, self._due = self._due, []
+        due, self._due, self._due_n = self._due, [], 0
         self._send(due)
 
-    def _send(self, due: list[Handed]) -> None:
-        by_holder: dict[int, list[WorkItem]] = defaultdict(list)
-        for h in due:
-            by_holder[h.holder].append(h.item)
+    def _send(self, due: list[Any]) -> None:
+        """``due``: what :meth:`trained` gathered, Keys per batch or Handed per item."""
+        by_holder: dict[int, list[Any]] = defaultdict(list)
+        n = 0
+        for note in due:
+            if isinstance(note, tuple):
+                keys = by_holder[note[0]]
+                keys.extend(zip(note[1::2], note[2::2]))
+                n += len(note) // 2
+            else:
+                by_holder[note.holder].append(note.item)
+                n += 1
         if self.ledger is None:
-            lost = self.queue.complete_handed(by_holder)
+            self.acknowledged += n - len(self.queue.complete_handed(by_holder))
         else:
             lost = self.queue.adopt_handed(by_holder)
             gone = {id(i) for i in lost}
             self.ledger.finish(self.ledger.start(), [h.item for h in due if id(h.item) not in gone])
-        self.acknowledged += len(due) - len(lost)
+            self.acknowledged += n - len(lost)
 
     def save_point(self, step: int) -> list[int]:
         """``state_dict()`` at ``step``: every batch yielded so far is trained; what it carried is
@@ -420,7 +480,7 @@ class Acks:
         ids of the items the save covers (the state keeps them: see :meth:`restore`)."""
         assert self.ledger is not None
         self.trained(self.current)
-        self.current = []
+        self.current = ()
         self.flush()
         mark = self.ledger.mark()
         self.saving = (step, mark)
@@ -446,7 +506,7 @@ class Acks:
         self.saving = None
         _save_points.discard(self)
         self.trained(self.current)
-        self.current = []
+        self.current = ()
         self.flush()
         n = self.queue.reopen_after(step)
         mark = self.ledger.mark()
