@@ -99,6 +99,9 @@ class Dispenser:
         # The doorbell (bell.py): rings of this queue heard so far, and how to stop hearing them
         # (subscribed at the first wait, so a worker that never waits opens no listener).
         self.rings = 0
+        # The last ring that said the queue is finished: its number among the rings heard, and
+        # what the ringer read (see heard()).
+        self.end_heard: Optional[tuple[int, Peek]] = None
         self._deafen: Optional[Callable[[], None]] = None
         self._rows_rang = 0.0  # when epoch_rows() last rang
         # The last claim round got fewer items than it asked for: an acknowledgement of this
@@ -221,6 +224,9 @@ class Dispenser:
                     if self.book.buffer or self.news != news or self.closed:
                         return  # take_many() hands out, claims again, or says it is closed
                     if self.rings != rings:
+                        end = self.end_heard
+                        if end is not None and end[0] > rings:  # rung after this take's round
+                            peek = end[1]  # the ringer's read: no poll of this worker's own
                         rings = self.rings
                         break  # poll now
                     got = self.beat_peek
@@ -294,8 +300,14 @@ class Dispenser:
         if self._deafen is None and not self.closed:
             self._deafen = bell.subscribe(self.db.engine, self.qid, weak_method(self.heard, None))
 
-    def heard(self) -> None:
-        """From the bell's thread: this queue rang. A waiting take polls at once."""
+    def heard(self, news: str = "") -> None:
+        """From the bell's thread: this queue rang. A waiting take polls at once, unless the
+        ring said the queue is finished (``news`` from :meth:`ring_end`): then it ends without
+        a poll. At the end of a drain every waiting worker used to poll at the same moment, on
+        Postgres one round trip each while the others closed (``bench/long_tail.py``)."""
+        end = _end_news(news)
+        if end is not None:
+            self.end_heard = (self.rings + 1, end)  # before the count: a waiter reads both
         self.rings += 1  # only the bell's thread writes it
         # The lock is held briefly by a waiter between its checks, or for a claim round, whose
         # end notifies anyway (_claim): give up after a while rather than stall the bell.
@@ -306,9 +318,14 @@ class Dispenser:
                 self.lock.release()
 
     def ring(self) -> None:
-        """After a transaction that made an item of this queue claimable, or finished it: wake
-        the takes that wait for it, in every process (``bell.py``)."""
+        """After a transaction that made an item of this queue claimable: wake the takes that
+        wait for it, in every process (``bell.py``)."""
         bell.ring(self.db.engine, self.qid)
+
+    def ring_end(self, peek: Peek) -> None:
+        """After a read that found the queue finished: wake the waiting takes with the news
+        (the counts they would read), so that they end without a poll (:meth:`heard`)."""
+        bell.ring(self.db.engine, self.qid, f"{END} {peek.finished} {peek.failed} {peek.num_epochs}")
 
     def deafen(self) -> None:
         """Stop hearing this queue's rings (closed, or a forked child: not the parent's)."""
@@ -414,8 +431,9 @@ class Dispenser:
         other processes must hear (one read, only then)."""
         if not (self.drained or always):
             return
-        if self._look().finished >= self.extent.total:
-            self.ring()
+        peek = self._look()
+        if peek.finished >= self.extent.total:
+            self.ring_end(peek)
 
     def _claim(self, acks: list[WorkItem], limit: int) -> int:
         """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
@@ -484,7 +502,7 @@ class Dispenser:
         if peek.finished >= self.extent.total:
             if not self._rang_end:  # this worker's acknowledgements may have been the last ones
                 self._rang_end = True
-                self.ring()
+                self.ring_end(peek)
             raise QueueExhausted(rules.name, peek.finished - peek.failed, peek.failed)
         if peek.expired and db.may_expire and db.expire_tx(
                 lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts), default=0):
@@ -539,14 +557,23 @@ class Dispenser:
                     r = self.refiller = Refiller(weak_method(self.prefetch, 0), self.rules.name)
         return r
 
-    def stop_refills(self) -> None:
-        """``WorkQueue.stop_refills``: the refill thread stops; a refill in flight lands first."""
+    def stop_refills(self, join: bool = True) -> None:
+        """``WorkQueue.stop_refills``: the refill thread stops; a refill in flight lands first.
+        ``join=False``: the thread ends by itself a little later (:meth:`join_refills`); no
+        refill starts after this returns."""
         r = self.refiller
         if r is not None and os.getpid() == self.pid:
-            r.stop()
+            r.stop(join)
         with self.lock:
             while self.filling:
                 self.changed.wait()
+
+    def join_refills(self) -> None:
+        """Wait for a refill thread told to stop. Without the lock: the thread may be about to
+        take it, and find this object closed."""
+        r = self.refiller
+        if r is not None and os.getpid() == self.pid:
+            r.join()
 
     def close(self) -> bool:
         """Stop handing out: False if already closed. Called with the lock held."""
@@ -589,6 +616,7 @@ class Dispenser:
         self.filling = False
         self.refiller = None  # the parent's threads do not exist here
         self._deafen = None   # nor its bell (bell.py forgets it in the child)
+        self.end_heard = None
         self.drained = False
         self.pace = Pace()
         self.sizer = Sizer(self.rules.lease_ahead)
@@ -600,6 +628,20 @@ class Dispenser:
         forever here, where that thread does not exist."""
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
+
+
+END = "end"  # a ring's news: the queue is finished; then finished, failed and num_epochs as read
+
+
+def _end_news(news: str) -> Optional[Peek]:
+    """What a ring that said the queue is finished read (:meth:`Dispenser.ring_end`), as the
+    waiting take's poll would have: None for any other news (or none)."""
+    parts = news.split()
+    if len(parts) != 4 or parts[0] != END or not all(p.isdigit() for p in parts[1:]):
+        return None
+    finished, failed, num_epochs = (int(p) for p in parts[1:])
+    return Peek(pending=False, expired=False, finished=finished, epochs_created=num_epochs, mine=0,
+                failed=failed, num_epochs=num_epochs)
 
 
 def _late(deadline: Optional[float], stop: Optional[Callable[[], bool]], now: Optional[float] = None) -> bool:

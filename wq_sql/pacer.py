@@ -195,10 +195,16 @@ class Refiller:
             self._kicked = max(1, min_claim)
             self._wake.notify()
 
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
+        """End the thread (a refill in flight finishes first); ``join=False``: do not wait for
+        it here (:meth:`join` later)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
+        if join:
+            self.join()
+
+    def join(self) -> None:
         if self._pid == os.getpid() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
