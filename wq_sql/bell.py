@@ -62,16 +62,30 @@ def _payload(engine: Engine, qid: int) -> str:
     return f"{schema or ''}.{qid}"
 
 
-def ring(engine: Engine, qid: int, news: str = "") -> None:
+def notify_args(engine: Engine, qid: int) -> Optional[tuple[str, str]]:
+    """Postgres: the channel and the start of the payload (ending in a space, the news to
+    follow) for a ring sent by a statement of the caller's own (``look.Look.read_ringing``:
+    the read that finds the queue finished rings in the same round trip); then call
+    :func:`ring` with ``notified=True``. None on SQLite, whose rings are datagrams."""
+    if engine.dialect.name == "sqlite":
+        return None
+    return CHANNEL, _payload(engine, qid) + " "
+
+
+def ring(engine: Engine, qid: int, news: str = "", *, notified: bool = False) -> None:
     """Tell every process waiting on queue ``qid`` of this database that it may have changed.
     Call it after the change committed. ``news`` (no more than ``NEWS_MAX`` characters) goes to
     the listeners with the ring: what the ringer read after its change, so that a listener need
     not read it again (``Dispenser.heard``: the end of the queue). Best effort: a ring that fails
-    is logged at DEBUG (the waiters' polls find the change anyway)."""
+    is logged at DEBUG (the waiters' polls find the change anyway). ``notified``: a statement
+    of the caller's sent the ``NOTIFY`` already (:func:`notify_args`); only this process's own
+    waiters remain to be told."""
     assert len(news) <= NEWS_MAX, news
     payload = _payload(engine, qid) + (f" {news}" if news else "")
     try:
-        if engine.dialect.name == "sqlite":
+        if notified:
+            pass
+        elif engine.dialect.name == "sqlite":
             path = sqlite_file(engine.url)
             if path is not None:  # a file: an in-memory database has no other process
                 _SocketBell.send(path, payload)

@@ -322,10 +322,26 @@ class Dispenser:
         wait for it, in every process (``bell.py``)."""
         bell.ring(self.db.engine, self.qid)
 
-    def ring_end(self, peek: Peek) -> None:
+    def ring_end(self, peek: Peek, notified: bool = False) -> None:
         """After a read that found the queue finished: wake the waiting takes with the news
-        (the counts they would read), so that they end without a poll (:meth:`heard`)."""
-        bell.ring(self.db.engine, self.qid, f"{END} {peek.finished} {peek.failed} {peek.num_epochs}")
+        (the counts they would read), so that they end without a poll (:meth:`heard`).
+        ``notified``: the read rang already (:meth:`_look_end`)."""
+        bell.ring(self.db.engine, self.qid, f"{END} {peek.finished} {peek.failed} {peek.num_epochs}",
+                  notified=notified)
+
+    def _look_end(self, ring: bool) -> tuple[Peek, bool]:
+        """The read after a claim round that found nothing, or after acknowledgements that may
+        have been the queue's last: ``_look()``, and with ``ring`` on Postgres, if it finds the
+        queue finished, the ring of the end in the same statement (``Look.read_ringing``).
+        Returns the read and whether it rang."""
+        to = bell.notify_args(self.db.engine, self.qid) if ring else None
+        if to is None:
+            return self._look(), False
+        qid, worker_id, e = self.qid, self.member.worker_id, self.extent
+        total, num_epochs = e.total, e.num_epochs
+        peek = self.db.driver_read(lambda conn, prefix: self.look.read_ringing(
+            conn, prefix, qid, worker_id, total, num_epochs, *to))
+        return peek, peek.finished >= total and peek.num_epochs == num_epochs
 
     def deafen(self) -> None:
         """Stop hearing this queue's rings (closed, or a forked child: not the parent's)."""
@@ -431,9 +447,9 @@ class Dispenser:
         other processes must hear (one read, only then)."""
         if not (self.drained or always):
             return
-        peek = self._look()
+        peek, rang = self._look_end(True)
         if peek.finished >= self.extent.total:
-            self.ring_end(peek)
+            self.ring_end(peek, rang)
 
     def _claim(self, acks: list[WorkItem], limit: int) -> int:
         """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
@@ -494,7 +510,7 @@ class Dispenser:
         # whether any lease ran out. Only then a write transaction returns expired items: at
         # the end of a drain every worker gets here once, and an expiry sweep that finds
         # nothing took SQLite's writers' queue as often (bench/long_tail.py).
-        peek = self._look()
+        peek, rang = self._look_end(not self._rang_end)
         if peek.num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
             self.extent.num_epochs = peek.num_epochs
             self._rang_end = False
@@ -502,7 +518,7 @@ class Dispenser:
         if peek.finished >= self.extent.total:
             if not self._rang_end:  # this worker's acknowledgements may have been the last ones
                 self._rang_end = True
-                self.ring_end(peek)
+                self.ring_end(peek, rang)
             raise QueueExhausted(rules.name, peek.finished - peek.failed, peek.failed)
         if peek.expired and db.may_expire and db.expire_tx(
                 lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts), default=0):
