@@ -35,6 +35,9 @@ ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know 
 # The heartbeat comes a little after it was due, and a wait plans its next poll a little after
 # its last one: this much of a poll interval is not counted against the spacing (before_beat).
 BEAT_SLACK = 0.1
+# A take that may wait (no deadline) subscribes to the bell once the queue is expected to run dry
+# within this many seconds, not at its first wait (Dispenser.take_many).
+LISTEN_AHEAD = 1.0
 IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals,
 # and a waiting take polls at the worker's pace for this many of them after its last hand-out
 
@@ -159,6 +162,14 @@ class Dispenser:
                          and self.sizer.ahead_helps() else None)
                     if r is not None:
                         r.schedule(self.pace)
+                    # Hear the rings before the wait at the end, not from its start: at the end
+                    # of a drain every worker waits at once, and each one's listener connecting
+                    # and proving it hears then (on Postgres a new server connection, a probe
+                    # NOTIFY and its own commit) took the machine's cores at the moment the
+                    # last items' ends had to be heard (bench/long_tail.py). Not for a take
+                    # that never waits (a deadline: wq_sql.torch's timeout=0, see _wait).
+                    if deadline is None and self._deafen is None and self.sizer.dry_within(LISTEN_AHEAD):
+                        self._listen()
                     return got
             self._wait(deadline, stop, rings)
 
