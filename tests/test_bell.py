@@ -11,13 +11,13 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import sqlalchemy as sa
 from conftest import POOLED
 
-from wq_sql import QueueExhausted, WorkQueue, bell
+from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, bell
 from wq_sql.look import Peek
 
 # A waiter whose polls come this rarely can only have been woken by a ring in these tests.
@@ -134,6 +134,50 @@ def test_a_ring_that_says_the_queue_is_finished_ends_a_wait_without_a_poll(db_ur
     finally:
         holder.close()
         waiter.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_take_that_may_wait_hears_rings_before_the_end_one_that_never_waits_does_not(
+        db_url: str, backend: str) -> None:
+    """Workers that share a queue subscribe to the bell once it is expected to run dry within
+    ``handout.LISTEN_AHEAD``, so the listener is up before the waits at the end (not made by
+    each of them at once); a consumer whose takes never wait (``timeout=0``, as
+    ``wq_sql.torch``'s) opens none."""
+    WorkQueue([f"w{i}" for i in range(300)], name="early", url=db_url, worker="creator").close()
+    waiting = [WorkQueue.attach("early", url=db_url, worker=f"a{i}") for i in range(2)]
+    never = WorkQueue.attach("early", url=db_url, worker="never")
+    heard_at_wait: list[bool] = []
+
+    def watch(d: Any) -> None:
+        wait = d._wait
+
+        def first(*args: Any) -> None:
+            heard_at_wait.append(d._deafen is not None)
+            return wait(*args)
+        d._wait = first
+
+    def run(wq: WorkQueue, timeout: Optional[float]) -> None:
+        try:
+            while True:
+                wq.take_many(1, timeout)
+                time.sleep(0.002)
+        except (QueueExhausted, QueueEmpty):
+            pass
+
+    for wq in waiting:
+        watch(wq._d)
+    threads = [threading.Thread(target=run, args=(wq, None)) for wq in waiting]
+    threads.append(threading.Thread(target=run, args=(never, 0)))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert never._d._deafen is None, "a take that never waits subscribed to the bell"
+        assert heard_at_wait and all(heard_at_wait), heard_at_wait
+    finally:
+        for wq in (*waiting, never):
+            wq.close()
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
