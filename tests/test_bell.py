@@ -8,15 +8,17 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import sqlalchemy as sa
 from conftest import POOLED
 
-from wq_sql import QueueExhausted, WorkQueue, bell
+from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, bell
+from wq_sql.look import Peek
 
 # A waiter whose polls come this rarely can only have been woken by a ring in these tests.
 SLOW_POLLS = 60.0
@@ -94,6 +96,91 @@ def test_the_end_of_the_queue_wakes_a_waiting_take_in_another_process(db_url: st
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+def test_a_ring_that_says_the_queue_is_finished_ends_a_wait_without_a_poll(db_url: str, backend: str) -> None:
+    """The worker whose acknowledgement finished the queue rings with what it read: a waiting
+    take ends on that news, as its own poll would have ended it, without the poll. Here every
+    poll of the waiter says the queue is far from finished, so only the news can end it."""
+    holder = _held_queue(db_url, "news", ["a", "b"])
+    # No heartbeat during the test: a poll that rides on its renewal is a real read.
+    waiter = WorkQueue.attach("news", url=db_url, worker="waiter", poll_seconds=SLOW_POLLS,
+                              lease_seconds=1200, heartbeat_seconds=600)
+    d = waiter._d
+    polls: list[int] = []
+
+    def lying_poll(*args: Any) -> Peek:
+        polls.append(1)
+        return Peek(pending=False, expired=False, finished=0, epochs_created=1, mine=0, failed=0,
+                    num_epochs=1)
+
+    d.look.poll = lying_poll  # type: ignore[method-assign]
+    ended: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.take(timeout=SLOW_POLLS / 2)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            ended.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    try:
+        _until(lambda: d.waiting == 1 and bell.live(waiter.engine), "the take never waited with a live bell")
+        with pytest.raises(QueueExhausted):
+            holder.take()  # acknowledges the last item: the queue is finished, and it rings
+        t.join(SLOW_POLLS)
+        assert ended and isinstance(ended[0], QueueExhausted), ended
+        assert (ended[0].done, ended[0].failed) == (2, 0)
+        assert d.end_heard is not None and d.end_heard[1].finished == 2
+    finally:
+        holder.close()
+        waiter.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_take_that_may_wait_hears_rings_before_the_end_one_that_never_waits_does_not(
+        db_url: str, backend: str) -> None:
+    """Workers that share a queue subscribe to the bell once it is expected to run dry within
+    ``handout.LISTEN_AHEAD``, so the listener is up before the waits at the end (not made by
+    each of them at once); a consumer whose takes never wait (``timeout=0``, as
+    ``wq_sql.torch``'s) opens none."""
+    WorkQueue([f"w{i}" for i in range(300)], name="early", url=db_url, worker="creator").close()
+    waiting = [WorkQueue.attach("early", url=db_url, worker=f"a{i}") for i in range(2)]
+    never = WorkQueue.attach("early", url=db_url, worker="never")
+    heard_at_wait: list[bool] = []
+
+    def watch(d: Any) -> None:
+        wait = d._wait
+
+        def first(*args: Any) -> None:
+            heard_at_wait.append(d._deafen is not None)
+            return wait(*args)
+        d._wait = first
+
+    def run(wq: WorkQueue, timeout: Optional[float]) -> None:
+        try:
+            while True:
+                wq.take_many(1, timeout)
+                time.sleep(0.002)
+        except (QueueExhausted, QueueEmpty):
+            pass
+
+    for wq in waiting:
+        watch(wq._d)
+    threads = [threading.Thread(target=run, args=(wq, None)) for wq in waiting]
+    threads.append(threading.Thread(target=run, args=(never, 0)))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert never._d._deafen is None, "a take that never waits subscribed to the bell"
+        assert heard_at_wait and all(heard_at_wait), heard_at_wait
+    finally:
+        for wq in (*waiting, never):
+            wq.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 def test_an_item_given_back_wakes_a_waiting_take_in_another_process(db_url: str, backend: str) -> None:
     holder = _held_queue(db_url, "back", ["a"])
     p, out = _start_waiter(db_url, "back")
@@ -118,8 +205,8 @@ def test_a_ring_reaches_every_process_and_skips_dead_ones(tmp_path: Path) -> Non
     engine = sa.create_engine(url)
     folder = bell._SocketBell.folder_of(tmp_path / "q.db")
     bell.ring(engine, 1)  # nobody listens yet: nothing happens
-    heard: list[int] = []
-    stop = bell.subscribe(engine, 1, lambda: heard.append(1))
+    heard: list[str] = []
+    stop = bell.subscribe(engine, 1, lambda news: heard.append(news))
     try:
         deadline = time.monotonic() + 10
         while not bell.live(engine) and time.monotonic() < deadline:
@@ -131,13 +218,13 @@ def test_a_ring_reaches_every_process_and_skips_dead_ones(tmp_path: Path) -> Non
         s.bind(str(dead))
         s.close()
         ctx = mp.get_context("fork")
-        child = ctx.Process(target=bell.ring, args=(engine, 1))
+        child = ctx.Process(target=bell.ring, args=(engine, 1, "end 3 0 1"))
         child.start()
         child.join(30)
         deadline = time.monotonic() + 10
-        while not heard and time.monotonic() < deadline:
+        while "end 3 0 1" not in heard and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert heard, "the ring from another process was not heard"
+        assert "end 3 0 1" in heard, "the ring from another process was not heard with its news"
         assert not dead.exists(), "a dead process's socket was left"
     finally:
         stop()
@@ -148,7 +235,7 @@ def test_a_ring_reaches_every_process_and_skips_dead_ones(tmp_path: Path) -> Non
 def test_the_postgres_listener_comes_back_after_its_connection_is_killed(db_url: str, backend: str) -> None:
     engine = sa.create_engine(db_url)
     heard: list[int] = []
-    stop = bell.subscribe(engine, 7, lambda: heard.append(1))
+    stop = bell.subscribe(engine, 7, lambda news: heard.append(1))
     try:
         _until(lambda: bell.live(engine), "the listener never went live")
         with engine.connect() as c, c.begin():
@@ -205,7 +292,7 @@ def test_through_pgbouncer_the_bell_stays_off_and_says_why(db_url: str, backend:
 def _assert_bell_stays_off(url: str, caplog: pytest.LogCaptureFixture, level: str, says: str) -> None:
     """A listener on ``url`` logs ``says`` at ``level`` and never goes live."""
     engine = sa.create_engine(url)
-    stop = bell.subscribe(engine, 3, lambda: None)
+    stop = bell.subscribe(engine, 3, lambda news: None)
     try:
         with caplog.at_level(level, logger="wq_sql"):
             _until(lambda: says in caplog.text, f"no {level} line saying {says!r}")

@@ -99,6 +99,25 @@ def test_near_the_end_rounds_shrink_to_one_item_when_peers_share_the_queue() -> 
     assert seen[-1][1] == 1
 
 
+def test_the_end_is_known_to_be_near_only_with_peers_and_a_known_rate() -> None:
+    # 8 workers, 20 ms items, 1,600 items (bench/long_tail.py): the pool claims 400 items/s, so
+    # the queue runs dry within a second once fewer than 400 items are left after this
+    # worker's claims (Dispenser.take_many subscribes to the bell then).
+    s = Sizer(None)
+    assert not s.dry_within(1.0)  # no rate yet
+    t, pos = claims(s, 5, 7, 0.020, 1_600)
+    assert not s.dry_within(1.0) and s.dry_within(10.0), (pos, s.left, s.pool_rate)
+    while s.left >= 0.9 * 400:
+        t, pos = claims(s, 1, 7, 0.020, 1_600, t, pos)
+    assert s.dry_within(1.0)
+    alone = Sizer(None)
+    claims(alone, 50, 0, 0.020, 1_600)
+    assert not alone.dry_within(1e9)  # no peer to wait for
+    fixed = Sizer(8)
+    claims(fixed, 50, 7, 0.020, 1_600)
+    assert not fixed.dry_within(1e9)  # a given lease_ahead measures no rate
+
+
 def drain(s: Sizer, peers: int, per_item: float, total: int, trip: float) -> list[tuple[int, int]]:
     """(items left, size) after each of this worker's rounds until the queue is claimed."""
     t, pos, seen = 0.0, 0, []

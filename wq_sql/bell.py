@@ -52,22 +52,40 @@ PROBE_SECONDS = 2.0       # how long a new listener waits for its own probe befo
 KEEPALIVE_SECONDS = 10.0  # a quiet listener checks its connection this often
 RETRY_MAX = 5.0           # the longest pause between two reconnects of a lost listener
 
-Listener = Callable[[], None]
+Listener = Callable[[str], None]  # called with the ring's news ("": none, or a reconnect)
+NEWS_MAX = 100  # characters of news a ring may carry (a datagram and a NOTIFY payload hold more)
 
 
 def _payload(engine: Engine, qid: int) -> str:
-    """What a ring of queue ``qid`` says: the queue's schema (``WorkQueue(schema=)``) and id."""
+    """Which queue a ring is for: the queue's schema (``WorkQueue(schema=)``) and id."""
     schema = (engine.get_execution_options().get("schema_translate_map") or {}).get(None)
     return f"{schema or ''}.{qid}"
 
 
-def ring(engine: Engine, qid: int) -> None:
+def notify_args(engine: Engine, qid: int) -> Optional[tuple[str, str]]:
+    """Postgres: the channel and the start of the payload (ending in a space, the news to
+    follow) for a ring sent by a statement of the caller's own (``look.Look.read_ringing``:
+    the read that finds the queue finished rings in the same round trip); then call
+    :func:`ring` with ``notified=True``. None on SQLite, whose rings are datagrams."""
+    if engine.dialect.name == "sqlite":
+        return None
+    return CHANNEL, _payload(engine, qid) + " "
+
+
+def ring(engine: Engine, qid: int, news: str = "", *, notified: bool = False) -> None:
     """Tell every process waiting on queue ``qid`` of this database that it may have changed.
-    Call it after the change committed. Best effort: a ring that fails is logged at DEBUG (the
-    waiters' polls find the change anyway)."""
-    payload = _payload(engine, qid)
+    Call it after the change committed. ``news`` (no more than ``NEWS_MAX`` characters) goes to
+    the listeners with the ring: what the ringer read after its change, so that a listener need
+    not read it again (``Dispenser.heard``: the end of the queue). Best effort: a ring that fails
+    is logged at DEBUG (the waiters' polls find the change anyway). ``notified``: a statement
+    of the caller's sent the ``NOTIFY`` already (:func:`notify_args`); only this process's own
+    waiters remain to be told."""
+    assert len(news) <= NEWS_MAX, news
+    payload = _payload(engine, qid) + (f" {news}" if news else "")
     try:
-        if engine.dialect.name == "sqlite":
+        if notified:
+            pass
+        elif engine.dialect.name == "sqlite":
             path = sqlite_file(engine.url)
             if path is not None:  # a file: an in-memory database has no other process
                 _SocketBell.send(path, payload)
@@ -158,13 +176,15 @@ class _Bell:
             self._wake_w.send(b"x")
 
     def dispatch(self, payload: Optional[str]) -> None:
-        """Call the listeners of ``payload``'s queue (``None``: of every queue)."""
+        """Call the listeners of ``payload``'s queue with its news (``None``: of every queue,
+        with none)."""
+        key, _, news = (payload or "").partition(" ")
         with _lock:
             fns = ([f for fs in self.listeners.values() for f in fs] if payload is None
-                   else list(self.listeners.get(payload, ())))
+                   else list(self.listeners.get(key, ())))
         for fn in fns:
             try:
-                fn()
+                fn(news)
             except Exception:  # noqa: BLE001 - one listener's bug must not deafen the others
                 log.exception("wq_sql bell listener failed")
 

@@ -35,6 +35,9 @@ ORPHAN_POLLS = 2  # a waiting take() looks for items it holds but does not know 
 # The heartbeat comes a little after it was due, and a wait plans its next poll a little after
 # its last one: this much of a poll interval is not counted against the spacing (before_beat).
 BEAT_SLACK = 0.1
+# A take that may wait (no deadline) subscribes to the bell once the queue is expected to run dry
+# within this many seconds, not at its first wait (Dispenser.take_many).
+LISTEN_AHEAD = 1.0
 IDLE_PACES = 10  # claimed-ahead items go back once no take() came for this many of the worker's intervals,
 # and a waiting take polls at the worker's pace for this many of them after its last hand-out
 
@@ -99,6 +102,9 @@ class Dispenser:
         # The doorbell (bell.py): rings of this queue heard so far, and how to stop hearing them
         # (subscribed at the first wait, so a worker that never waits opens no listener).
         self.rings = 0
+        # The last ring that said the queue is finished: its number among the rings heard, and
+        # what the ringer read (see heard()).
+        self.end_heard: Optional[tuple[int, Peek]] = None
         self._deafen: Optional[Callable[[], None]] = None
         self._rows_rang = 0.0  # when epoch_rows() last rang
         # The last claim round got fewer items than it asked for: an acknowledgement of this
@@ -139,12 +145,13 @@ class Dispenser:
                 if self.rules.auto_complete and book.out:
                     book.ack_out()
                 item = book.hand_one()
-                self._handed(now, 1)
+                self._handed(now, 1, deadline)
                 return item
         return self.take_many(1, deadline, None, None)[0]
 
-    def _handed(self, now: float, n: int) -> None:
-        """``n`` items were just handed out, at ``now`` (the lock held)."""
+    def _handed(self, now: float, n: int, deadline: Optional[float]) -> None:
+        """``n`` items were just handed out, at ``now``, by a take with ``deadline`` (the lock
+        held)."""
         self.pace.handed_out(now)
         self.sizer.handed_out(now, n)
         # Claim ahead only once the buffer is empty: a round then claims up to
@@ -153,6 +160,14 @@ class Dispenser:
             r = self.refills()
             if r is not None:
                 r.schedule(self.pace)
+        # Hear the rings before the wait at the end, not from its start: at the end of a drain
+        # every worker waits at once, and each one's listener connecting and proving it hears
+        # then (on Postgres a new server connection, a probe NOTIFY and its own commit) took the
+        # machine's cores at the moment the last items' ends had to be heard
+        # (bench/long_tail.py). Not for a take that never waits (a deadline: wq_sql.torch's
+        # timeout=0, see _wait).
+        if deadline is None and self._deafen is None and self.sizer.dry_within(LISTEN_AHEAD):
+            self._listen()
 
     def take_many(self, n: int, deadline: Optional[float], claim: Optional[int],
                   stop: Optional[Callable[[], bool]]) -> list[WorkItem]:
@@ -174,7 +189,7 @@ class Dispenser:
                     self._fill(claim)
                 if book.buffer:
                     got = book.hand_out(n)
-                    self._handed(time.monotonic(), len(got))
+                    self._handed(time.monotonic(), len(got), deadline)
                     return got
             self._wait(deadline, stop, rings)
 
@@ -240,6 +255,9 @@ class Dispenser:
                     if self.book.buffer or self.news != news or self.closed:
                         return  # take_many() hands out, claims again, or says it is closed
                     if self.rings != rings:
+                        end = self.end_heard
+                        if end is not None and end[0] > rings:  # rung after this take's round
+                            peek = end[1]  # the ringer's read: no poll of this worker's own
                         rings = self.rings
                         break  # poll now
                     got = self.beat_peek
@@ -313,8 +331,14 @@ class Dispenser:
         if self._deafen is None and not self.closed:
             self._deafen = bell.subscribe(self.db.engine, self.qid, weak_method(self.heard, None))
 
-    def heard(self) -> None:
-        """From the bell's thread: this queue rang. A waiting take polls at once."""
+    def heard(self, news: str = "") -> None:
+        """From the bell's thread: this queue rang. A waiting take polls at once, unless the
+        ring said the queue is finished (``news`` from :meth:`ring_end`): then it ends without
+        a poll. At the end of a drain every waiting worker used to poll at the same moment, on
+        Postgres one round trip each while the others closed (``bench/long_tail.py``)."""
+        end = _end_news(news)
+        if end is not None:
+            self.end_heard = (self.rings + 1, end)  # before the count: a waiter reads both
         self.rings += 1  # only the bell's thread writes it
         # The lock is held briefly by a waiter between its checks, or for a claim round, whose
         # end notifies anyway (_claim): give up after a while rather than stall the bell.
@@ -325,9 +349,30 @@ class Dispenser:
                 self.lock.release()
 
     def ring(self) -> None:
-        """After a transaction that made an item of this queue claimable, or finished it: wake
-        the takes that wait for it, in every process (``bell.py``)."""
+        """After a transaction that made an item of this queue claimable: wake the takes that
+        wait for it, in every process (``bell.py``)."""
         bell.ring(self.db.engine, self.qid)
+
+    def ring_end(self, peek: Peek, notified: bool = False) -> None:
+        """After a read that found the queue finished: wake the waiting takes with the news
+        (the counts they would read), so that they end without a poll (:meth:`heard`).
+        ``notified``: the read rang already (:meth:`_look_end`)."""
+        bell.ring(self.db.engine, self.qid, f"{END} {peek.finished} {peek.failed} {peek.num_epochs}",
+                  notified=notified)
+
+    def _look_end(self, ring: bool) -> tuple[Peek, bool]:
+        """The read after a claim round that found nothing, or after acknowledgements that may
+        have been the queue's last: ``_look()``, and with ``ring`` on Postgres, if it finds the
+        queue finished, the ring of the end in the same statement (``Look.read_ringing``).
+        Returns the read and whether it rang."""
+        to = bell.notify_args(self.db.engine, self.qid) if ring else None
+        if to is None:
+            return self._look(), False
+        qid, worker_id, e = self.qid, self.member.worker_id, self.extent
+        total, num_epochs = e.total, e.num_epochs
+        peek = self.db.driver_read(lambda conn, prefix: self.look.read_ringing(
+            conn, prefix, qid, worker_id, total, num_epochs, *to))
+        return peek, peek.finished >= total and peek.num_epochs == num_epochs
 
     def deafen(self) -> None:
         """Stop hearing this queue's rings (closed, or a forked child: not the parent's)."""
@@ -433,8 +478,9 @@ class Dispenser:
         other processes must hear (one read, only then)."""
         if not (self.drained or always):
             return
-        if self._look().finished >= self.extent.total:
-            self.ring()
+        peek, rang = self._look_end(True)
+        if peek.finished >= self.extent.total:
+            self.ring_end(peek, rang)
 
     def _claim(self, acks: list[WorkItem], limit: int) -> int:
         """One claim round (``claim.ClaimRound``) that also acknowledges ``acks``; the claimed
@@ -496,7 +542,7 @@ class Dispenser:
         # whether any lease ran out. Only then a write transaction returns expired items: at
         # the end of a drain every worker gets here once, and an expiry sweep that finds
         # nothing took SQLite's writers' queue as often (bench/long_tail.py).
-        peek = self._look()
+        peek, rang = self._look_end(not self._rang_end)
         if peek.num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
             self.extent.num_epochs = peek.num_epochs
             self._rang_end = False
@@ -504,7 +550,7 @@ class Dispenser:
         if peek.finished >= self.extent.total:
             if not self._rang_end:  # this worker's acknowledgements may have been the last ones
                 self._rang_end = True
-                self.ring()
+                self.ring_end(peek, rang)
             raise QueueExhausted(rules.name, peek.finished - peek.failed, peek.failed)
         if peek.expired and db.may_expire and db.expire_tx(
                 lambda c: ops.expire(c, db.dialect, qid, rules.max_attempts), default=0):
@@ -559,14 +605,23 @@ class Dispenser:
                     r = self.refiller = Refiller(weak_method(self.prefetch, 0), self.rules.name)
         return r
 
-    def stop_refills(self) -> None:
-        """``WorkQueue.stop_refills``: the refill thread stops; a refill in flight lands first."""
+    def stop_refills(self, join: bool = True) -> None:
+        """``WorkQueue.stop_refills``: the refill thread stops; a refill in flight lands first.
+        ``join=False``: the thread ends by itself a little later (:meth:`join_refills`); no
+        refill starts after this returns."""
         r = self.refiller
         if r is not None and os.getpid() == self.pid:
-            r.stop()
+            r.stop(join)
         with self.lock:
             while self.filling:
                 self.changed.wait()
+
+    def join_refills(self) -> None:
+        """Wait for a refill thread told to stop. Without the lock: the thread may be about to
+        take it, and find this object closed."""
+        r = self.refiller
+        if r is not None and os.getpid() == self.pid:
+            r.join()
 
     def close(self) -> bool:
         """Stop handing out: False if already closed. Called with the lock held."""
@@ -609,6 +664,7 @@ class Dispenser:
         self.filling = False
         self.refiller = None  # the parent's threads do not exist here
         self._deafen = None   # nor its bell (bell.py forgets it in the child)
+        self.end_heard = None
         self.drained = False
         self.pace = Pace()
         self.sizer = Sizer(self.rules.lease_ahead)
@@ -620,6 +676,20 @@ class Dispenser:
         forever here, where that thread does not exist."""
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
+
+
+END = "end"  # a ring's news: the queue is finished; then finished, failed and num_epochs as read
+
+
+def _end_news(news: str) -> Optional[Peek]:
+    """What a ring that said the queue is finished read (:meth:`Dispenser.ring_end`), as the
+    waiting take's poll would have: None for any other news (or none)."""
+    parts = news.split()
+    if len(parts) != 4 or parts[0] != END or not all(p.isdigit() for p in parts[1:]):
+        return None
+    finished, failed, num_epochs = (int(p) for p in parts[1:])
+    return Peek(pending=False, expired=False, finished=finished, epochs_created=num_epochs, mine=0,
+                failed=failed, num_epochs=num_epochs)
 
 
 def _late(deadline: Optional[float], stop: Optional[Callable[[], bool]], now: Optional[float] = None) -> bool:

@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from wq_sql.dialects import SQLITE_NOW, Dialect, qualifier
 from wq_sql.states import CLAIMED, EV_RELEASE, PENDING
 
+_LAZY = "SET LOCAL synchronous_commit = off; "  # Postgres: this transaction only (run(lazy=True))
 # Rows per statement: SQLite allows 32766 parameters per statement.
 _SQLITE_CHUNK = 4_000  # 5 parameters per history row, 2 per (id, token) pair
 
@@ -62,22 +63,25 @@ UPDATE {p}wq_workers SET heartbeat_at = NULL WHERE id = %(w)s AND incarnation = 
 """
 
     def run(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-            give_back: Sequence[tuple[int, int]], prefix: str = "") -> None:
+            give_back: Sequence[tuple[int, int]], prefix: str = "", *, lazy: bool = False) -> None:
         """Give back the claimed items among ``give_back`` ``(id, token)`` pairs (no attempt
         counted; a lost lease is skipped) and mark the worker ``incarnation`` closed. On
         Postgres ``prefix`` goes first in the query (``Db.driver_round``: then the query is its
-        own transaction, one round trip)."""
-        self._run(conn, qid, worker_id, incarnation, give_back, prefix)
+        own transaction, one round trip), and ``lazy`` commits without waiting for the WAL
+        flush (``synchronous_commit = off`` for this transaction only): for a leave that
+        acknowledges nothing, see ``Endings.leave`` for why losing it is harmless."""
+        self._run(conn, qid, worker_id, incarnation, give_back, prefix, lazy)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-                      give_back: Sequence[tuple[int, int]], prefix: str) -> None:
+                      give_back: Sequence[tuple[int, int]], prefix: str, lazy: bool) -> None:
         with conn.cursor() as cur:
-            cur.execute(prefix + self._sql, {"q": qid, "w": worker_id, "inc": incarnation,
-                                             "ids": [k[0] for k in give_back],
-                                             "tokens": [k[1] for k in give_back]})
+            cur.execute(prefix + (_LAZY if lazy else "") + self._sql,
+                        {"q": qid, "w": worker_id, "inc": incarnation, "ids": [k[0] for k in give_back],
+                         "tokens": [k[1] for k in give_back]})
 
     def _run_sqlite(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-                    give_back: Sequence[tuple[int, int]], prefix: str = "") -> None:
+                    give_back: Sequence[tuple[int, int]], prefix: str = "", lazy: bool = False) -> None:
+        # lazy has no SQLite form: a SQLite commit's cost is its writers' turn, not a flush.
         params: tuple[Any, ...]
         cur = conn.cursor()
         sql, params = "", ()  # for the error message

@@ -59,6 +59,29 @@ class Look:
             f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
             f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
             f"WHERE q.id = {mark}")
+        # The read that rings the end (read_ringing), Postgres only. The state as text in the
+        # order of Peek's news: "end finished failed num_epochs" (handout.END).
+        self._ringing = (
+            "SELECT l.pending, l.expired, l.mine, l.finished, l.failed, l.epochs_created, l.num_epochs, "
+            "CASE WHEN l.finished >= %s AND l.num_epochs = %s THEN pg_notify(%s, %s::text || 'end ' || "
+            "l.finished || ' ' || l.failed || ' ' || l.num_epochs) END "
+            f"FROM ({self.sql}) l")
+
+    def read_ringing(self, conn: Any, prefix: str, qid: int, worker_id: int, total: int, num_epochs: int,
+                     channel: str, head: str) -> Peek:
+        """Postgres: :meth:`read`, and if it finds the queue finished (``total`` items of
+        ``num_epochs`` epochs), the ring of its end in the same statement: ``pg_notify`` on
+        ``channel`` with ``head`` and the counts (``handout.END``'s news; ``bell.notify_args``).
+        At the end of a drain the last worker's read and ring were two round trips in a row,
+        the ring another connection checkout and commit, on every waiting worker's path."""
+        cur = conn.cursor()
+        try:
+            params = [total, num_epochs, channel, head, *self.params(qid, worker_id)]
+            cur.execute(prefix + self._ringing, params)
+            rows = last_rows(cur)
+        finally:
+            cur.close()
+        return self.peek(rows[0][:7] if rows else None, qid)
 
     def poll(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
         """What a waiting take polls."""

@@ -136,6 +136,13 @@ class Sizer:
         self.pool_rate = _smooth(self.pool_rate, rate)
         self.share = _smooth(self.share, share)
 
+    def dry_within(self, seconds: float) -> bool:
+        """Whether, at the rate all workers claim, every item will be claimed within ``seconds``
+        and this worker has peers (its share of the claims below ``ALONE``): a wait for their
+        last items is near. False while the rate is not known (a fixed ``lease_ahead``)."""
+        rate, share = self.pool_rate, self.share
+        return rate is not None and share is not None and share < ALONE and self.left < seconds * rate
+
     def ahead_helps(self) -> bool:
         """Whether claiming the next round in the background can save the consumer a wait: the
         consumer spends at least a round trip on a round's items. Otherwise (a consumer that
@@ -195,10 +202,16 @@ class Refiller:
             self._kicked = max(1, min_claim)
             self._wake.notify()
 
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
+        """End the thread (a refill in flight finishes first); ``join=False``: do not wait for
+        it here (:meth:`join` later)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
+        if join:
+            self.join()
+
+    def join(self) -> None:
         if self._pid == os.getpid() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 

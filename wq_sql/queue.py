@@ -489,21 +489,29 @@ class WorkQueue:
         d, db = self._d, self._db
         mine = os.getpid() == d.pid
         if mine:
-            d.stop_refills()  # outside the lock: its claim in flight needs the lock to finish
+            # Outside the lock: a claim in flight needs it to finish. The threads are told to
+            # stop here and joined after the leave's round trip, not before it: at the end of a
+            # drain every worker closes at once, and each join waited for a thread to get a
+            # core (bench/long_tail.py).
+            d.stop_refills(join=False)
             d.epochs.stop(timeout=self._opts.busy_timeout)
-        with d.lock:
-            if not d.close():
-                return
-            registry.discard(self)
-            self._heartbeat.stop_event.set()
-            if not mine or d.superseded:
-                db.close()
-                return
-            try:
-                self._endings.leave(_failed)
-            finally:
-                self._heartbeat.stop()
-                db.close()
+        try:
+            with d.lock:
+                if not d.close():
+                    return
+                registry.discard(self)
+                self._heartbeat.stop_event.set()
+                if not mine or d.superseded:
+                    db.close()
+                    return
+                try:
+                    self._endings.leave(_failed)
+                finally:
+                    self._heartbeat.stop()
+                    db.close()
+        finally:
+            if mine:
+                d.join_refills()  # it finds the queue closed and touches no connection
 
     def __enter__(self) -> WorkQueue:
         return self
