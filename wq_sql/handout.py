@@ -142,7 +142,7 @@ class Dispenser:
             if book.buffer and not (self.closed or self.superseded):
                 now = time.monotonic()
                 self.sizer.called(now)
-                if self.rules.auto_complete and book.out:
+                if self.rules.auto_complete:
                     book.ack_out()
                 item = book.hand_one()
                 self._handed(now, 1, deadline)

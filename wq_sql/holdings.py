@@ -68,11 +68,10 @@ class Holdings:
 
     def add(self, claimed: list[Claimed], works: dict[int, str]) -> None:
         """Claimed items join the buffer, as items with their works."""
-        prefix = self.prefix
-        if prefix:
-            self.buffer.extend(WorkItem(prefix + works[c.work_idx], works[c.work_idx], c) for c in claimed)
-        else:
-            self.buffer.extend(WorkItem(w, w, c) for c in claimed for w in (works[c.work_idx],))
+        prefix, buffer = self.prefix, self.buffer
+        for c in claimed:
+            work = works[c.work_idx]
+            buffer.append(WorkItem(prefix + work if prefix else work, work, c))
 
     def hand_one(self) -> WorkItem:
         """The first buffered item, now handed out (``take()``: the hot path, once per item)."""
