@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from conftest import POOLED
 
 from wq_sql import QueueEmpty, QueueExhausted, WorkQueue, bell
+from wq_sql.engine import make_engine
 from wq_sql.look import Peek
 
 # A waiter whose polls come this rarely can only have been woken by a ring in these tests.
@@ -248,6 +249,34 @@ def test_the_postgres_listener_comes_back_after_its_connection_is_killed(db_url:
         heard.clear()
         bell.ring(engine, 7)
         _until(lambda: bool(heard), "a ring after the reconnect was not heard")
+    finally:
+        stop()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_the_postgres_listener_opens_its_own_connection_and_leaves_the_pools_idle_one(
+        db_url: str, backend: str) -> None:
+    """The pool's idle connection is the one whose server backend has the claim round planned
+    (``ClaimRound.warm``): the listener must not take it away (the pool then opened a new one,
+    which planned the round again)."""
+    engine = make_engine(sa.engine.make_url(db_url))
+    fairy = engine.raw_connection()
+    idle = fairy.dbapi_connection
+    fairy.close()
+    stop = bell.subscribe(engine, 7, lambda news: None)
+    try:
+        _until(lambda: bell.live(engine), "the listener never went live")
+        assert engine.pool.checkedin() == 1 and engine.pool.checkedout() == 0
+        fairy = engine.raw_connection()
+        try:
+            assert fairy.dbapi_connection is idle
+        finally:
+            fairy.close()
+        with engine.connect() as c:
+            listening = c.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                                          "current_database() AND query LIKE 'LISTEN%'")).scalar()
+        assert listening == 1
     finally:
         stop()
         engine.dispose()

@@ -137,3 +137,31 @@ def test_a_round_finds_an_item_gone_back_below_its_floor(tmp_path: Path, pg_url:
     want = [[(0, 0), (0, 1)], [(0, 2), (0, 3)], [(0, 4), (0, 5)], [(0, 6), (0, 7)], [(0, 2)], []]
     assert _gone_back_below(f"sqlite:///{tmp_path / 'wq.db'}") == want
     assert _gone_back_below(pg_url) == want
+
+
+def _rows(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
+    with engine.connect() as c:
+        return {t: sorted(tuple(r) for r in c.execute(sa.text(f"SELECT * FROM {t}")))
+                for t in ("wq_items", "wq_events", "wq_tallies", "wq_workers", "wq_queues")}
+
+
+def test_warming_the_postgres_round_reads_and_writes_nothing(tmp_path: Path, pg_url: str) -> None:
+    """``ClaimRound.warm`` runs every statement of ``wq_claim_round()`` once (acks, the claim
+    from a floor and below it) for a queue that does not exist: every row stays as it was, on a
+    queue with items pending, claimed and done."""
+    with WorkQueue(WORKS, num_epochs=1, shuffle=False, url=pg_url, worker="w", name="q") as wq:
+        wq.take()
+        wq.take()  # the first one is done now, the second claimed
+        engine = make_engine(resolve_url(pg_url))
+        try:
+            before = _rows(engine)
+            claim = ClaimRound(Dialect("postgresql"), 3, lease_seconds=60)
+            with driver_statement(engine) as (conn, prefix):
+                claim.warm(conn, prefix)
+            assert _rows(engine) == before
+            with engine.connect() as c:
+                states = set(c.execute(sa.text("SELECT state FROM wq_items")).scalars())
+            assert states == {"done", "claimed", "pending"}
+        finally:
+            engine.dispose()
+    ClaimRound(Dialect("sqlite"), 3, lease_seconds=60).warm(None, "")  # SQLite: nothing, no connection used

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 from sqlalchemy import Engine, text
 
-from wq_sql.dialects import sqlite_file
+from wq_sql.dialects import PG_LAZY_COMMIT, sqlite_file
 from wq_sql.engine import driver_statement, make_engine, resolve_url, safe_url
 
 log = logging.getLogger("wq_sql")
@@ -93,7 +93,7 @@ def ring(engine: Engine, qid: int, news: str = "", *, notified: bool = False) ->
             with driver_statement(engine) as (conn, prefix):  # one round trip, no compile
                 cur = conn.cursor()
                 try:
-                    cur.execute(prefix + "SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+                    cur.execute(prefix + PG_LAZY_COMMIT + "SELECT pg_notify(%s, %s)", (CHANNEL, payload))
                 finally:
                     cur.close()
     except Exception as e:  # noqa: BLE001 - never let a wake-up fail the change it follows
@@ -344,8 +344,12 @@ class _NotifyBell(_Bell):
 
     def _connect(self) -> Any:
         """A listening connection that was proven to hear, or None (a transaction pooler)."""
-        fairy = self.via.raw_connection()
-        fairy.detach()  # not the pool's any more: closed when this bell is done with it
+        # A new connection, not the pool's idle one: that one has the claim round planned
+        # (ClaimRound.warm), and taking it made the pool open another for the next round, which
+        # planned it again (~3 ms to connect, ~5 ms to plan). recreate(): the same connect
+        # arguments and events, in a pool of its own, from which the connection is detached.
+        fairy = self.via.pool.recreate().connect()
+        fairy.detach()  # ours: closed when this bell is done with it
         conn: Any = fairy.dbapi_connection
         try:
             conn.autocommit = True

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from wq_sql.dialects import SQLITE_NOW, Dialect, qualifier
+from wq_sql.dialects import PG_LAZY_COMMIT, SQLITE_NOW, Dialect, qualifier
 from wq_sql.pooling import last_rows
 from wq_sql.states import CLAIMED, PENDING
 
@@ -77,7 +77,7 @@ class Look:
         cur = conn.cursor()
         try:
             params = [total, num_epochs, channel, head, *self.params(qid, worker_id)]
-            cur.execute(prefix + self._ringing, params)
+            cur.execute(prefix + PG_LAZY_COMMIT + self._ringing, params)
             rows = last_rows(cur)
         finally:
             cur.close()

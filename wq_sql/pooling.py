@@ -134,13 +134,17 @@ def client_binding(conn: Any) -> Optional[Any]:
 
 
 def last_rows(cur: Any) -> list[Any]:
-    """The rows of the last statement of a query that held several: psycopg2 keeps only those,
-    psycopg 3 keeps every statement's (``nextset()`` steps to the next)."""
-    rows: list[Any] = cur.fetchall()
-    if _psycopg3(cur):
-        while cur.nextset():
+    """The rows of the last statement that returns rows in a query that held several (a
+    ``SET LOCAL`` among them returns none): psycopg2 keeps only the last statement's, psycopg 3
+    keeps every statement's (``nextset()`` steps to the next)."""
+    if not _psycopg3(cur):
+        return list(cur.fetchall())
+    rows: list[Any] = []
+    while True:
+        if cur.description is not None:
             rows = cur.fetchall()
-    return rows
+        if not cur.nextset():
+            return rows
 
 
 def _psycopg3(obj: Any) -> bool:

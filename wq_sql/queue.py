@@ -261,8 +261,11 @@ class WorkQueue:
         return Terms(o.lease_seconds, o.heartbeat_seconds, o.max_item_seconds, self._row.max_attempts, o.run)
 
     def _start(self, recovered: list[ops.Claimed]) -> None:
-        """After registering: the items a dead predecessor held go first, and the heartbeat runs."""
+        """After registering: the claim round is planned (:meth:`ClaimRound.warm`), the items a
+        dead predecessor held go first, and the heartbeat runs."""
         d = self._d
+        if self._db.dialect.one_query_rounds:  # Postgres: the round's plans now, not in the first take
+            self._db.driver_round(d.round.warm)
         if recovered:
             works = self._db.tx(lambda c: ops.works_by_idx(c, self._qid, [r.work_idx for r in recovered]),
                                 read=True)
