@@ -33,10 +33,11 @@ from wq_sql import (
     UnsafeDatabase,
     WorkQueue,
     migrate,
+    report,
 )
 from wq_sql.dialects import sqlite as sqlite_dialect
 from wq_sql.engine import resolve_url
-from wq_sql.models import VIEWS, Base, create_view_sql
+from wq_sql.models import SQLITE_ONLY_FOREIGN_KEYS, VIEWS, Base, create_view_sql, foreign_keys_of
 
 WORKS = ["a", "b", "c", "d"]
 pg_only = pytest.mark.parametrize("backend", ["postgresql"])
@@ -150,7 +151,7 @@ def test_autogenerate_finds_no_difference_after_upgrade_head(empty_db_url: str) 
         with engine.connect() as c:
             ctx = MigrationContext.configure(c, opts={
                 "compare_type": True, "compare_server_default": True,
-                "target_metadata": Base.metadata})
+                "target_metadata": Base.metadata, "include_object": foreign_keys_of(c.dialect.name)})
             diff = compare_metadata(ctx, Base.metadata)
     finally:
         engine.dispose()
@@ -173,6 +174,11 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
                                              "state='claimed'")
     assert ("uq_wq_items_queue_id", ("queue_id", "epoch", "seq")) in tables["wq_items"]["uniques"]
     assert ("uq_wq_queues_name", ("name",)) in tables["wq_queues"]["uniques"]
+    # The hot path's foreign keys: SQLite only (migration 0009); the others on both backends.
+    fks = {fk[0] for t in tables.values() for fk in t["fks"]}
+    assert "fk_wq_items_queue_id_wq_queues" in fks and "fk_wq_tallies_queue_id_wq_queues" in fks
+    sqlite = empty_db_url.startswith("sqlite")
+    assert {n: n in fks for n in SQLITE_ONLY_FOREIGN_KEYS} == dict.fromkeys(SQLITE_ONLY_FOREIGN_KEYS, sqlite)
     assert [c[0] for c in migrated["views"]["wq_audit"]["columns"]] == [
         "queue", "epoch", "seq", "work", "worker", "state", "attempts", "claimed_at", "done_at",
         "last_error", "item_id"]
@@ -192,6 +198,77 @@ def test_postgres_autovacuum_tuning_is_applied(empty_db_url: str) -> None:
     wq_sql.upgrade(empty_db_url)
     opts = query(empty_db_url, "SELECT reloptions FROM pg_class WHERE relname = 'wq_items'")[0][0]
     assert "autovacuum_vacuum_scale_factor=0.01" in opts
+
+
+def _fks(url: str) -> set[str]:
+    engine = engine_for(url)
+    try:
+        with engine.connect() as c:
+            insp = sa.inspect(c)
+            return {fk["name"] for t in insp.get_table_names() for fk in insp.get_foreign_keys(t)}
+    finally:
+        engine.dispose()
+
+
+def _rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    engine = engine_for(url)
+    try:
+        with engine.connect() as c:
+            return {t: sorted(tuple(r) for r in c.execute(sa.text(f"SELECT * FROM {t}")))
+                    for t in ("wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events")}
+    finally:
+        engine.dispose()
+
+
+def test_0009_drops_the_hot_path_foreign_keys_on_postgres_only_and_keeps_every_row(empty_db_url: str) -> None:
+    """A queue mid-drain (items done, one claimed by a worker still open, history rows), taken
+    down to 0008 (which adds the two keys back on Postgres: every row written without them must
+    satisfy them) and up again: every row as it was, the two keys gone on Postgres only, and the
+    open worker drains the rest, each item done once."""
+    sqlite = empty_db_url.startswith("sqlite")
+    wq_sql.upgrade(empty_db_url)
+    works = [f"w{i:02d}" for i in range(12)]
+    with WorkQueue(works, name="q", url=empty_db_url, worker="b", shuffle=False) as b:
+        b.take()
+        b.take()
+    a = WorkQueue.attach("q", url=empty_db_url, worker="a", lease_ahead=1)
+    try:
+        for _ in range(4):
+            a.take()  # the last one claimed and in hand
+        engine = engine_for(empty_db_url)
+        try:
+            with engine.begin() as c:
+                command.downgrade(migrate.alembic_config(c), "0008")
+            assert set(SQLITE_ONLY_FOREIGN_KEYS) <= _fks(empty_db_url)
+            before = _rows(empty_db_url)
+            assert {r[5] for r in before["wq_items"]} == {"done", "claimed", "pending"}  # state
+            with engine.begin() as c:
+                command.upgrade(migrate.alembic_config(c), "0009")
+        finally:
+            engine.dispose()
+        assert _rows(empty_db_url) == before
+        have = _fks(empty_db_url)
+        want = dict.fromkeys(SQLITE_ONLY_FOREIGN_KEYS, sqlite)
+        assert {n: n in have for n in SQLITE_ONLY_FOREIGN_KEYS} == want
+        assert "fk_wq_items_queue_id_wq_queues" in have
+        taken = 0
+        with pytest.raises(QueueExhausted):
+            while True:
+                a.take()
+                taken += 1
+        assert taken == len(works) - 6
+    finally:
+        a.close()
+    engine = engine_for(empty_db_url)
+    try:
+        with engine.connect() as c:
+            audit = report.audit(c, c.execute(sa.text("SELECT * FROM wq_queues WHERE name = 'q'")).one())
+            done = c.execute(sa.text(
+                "SELECT count(*) FROM wq_history WHERE queue = 'q' AND kind = 'done'")).scalar()
+    finally:
+        engine.dispose()
+    assert audit.ok, (audit.violations, audit.counter_mismatches)
+    assert done == len(works)  # (redeliveries: b gave back what it had claimed ahead)
 
 
 def test_downgrade_to_base_then_upgrade_head(empty_db_url: str) -> None:

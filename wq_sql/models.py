@@ -6,7 +6,7 @@ Every state-changing statement lives in ``wq_sql.ops``; this module only declare
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sqlalchemy import (
     BigInteger,
@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -36,6 +37,33 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
+
+# Foreign keys that the hot path would check on Postgres at every claim (the claiming worker's
+# row) and every history row (the queue's row), and that Postgres therefore does not have
+# (migration 0009): each check runs a trigger and takes a KEY SHARE lock on the parent row, and
+# with every worker's acknowledgements locking the one queue row at once, Postgres made a new
+# MultiXact for nearly every claim round (1,957 in 2,000 rounds of 8 workers) and spent ~25% of
+# a round's server time on the checks. wq_sql writes these columns only from rows it has just
+# read in the same transaction and deletes children before parents (ops.drop_queue), so the
+# constraints only restated what the code does. SQLite keeps them: its checks are in-process
+# and lock nothing (a single writer).
+SQLITE_ONLY_FOREIGN_KEYS = ("fk_wq_items_worker_id_wq_workers", "fk_wq_events_queue_id_wq_queues")
+
+
+def foreign_keys_of(dialect: str) -> Callable[..., bool]:
+    """For Alembic's autogenerate, an ``include_object`` that leaves out the foreign keys the
+    ``dialect``'s databases do not have on purpose (``SQLITE_ONLY_FOREIGN_KEYS`` on Postgres),
+    which it would otherwise propose to add (it does not read ``ddl_if``)."""
+    def include(obj: Any, name: Optional[str], type_: str, reflected: bool, compare_to: Any) -> bool:
+        return (dialect == "sqlite" or type_ != "foreign_key_constraint"
+                or name not in SQLITE_ONLY_FOREIGN_KEYS)
+    return include
+
+
+def _sqlite_only_fk(column: str, refers: str, ondelete: str) -> ForeignKeyConstraint:
+    fk = ForeignKeyConstraint([column], [refers], ondelete=ondelete)
+    return fk.ddl_if(dialect="sqlite")
+
 
 # SQLite has no 64-bit autoincrement type other than INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -131,6 +159,7 @@ class Item(Base):
     __tablename__ = "wq_items"
     __table_args__ = (
         UniqueConstraint("queue_id", "epoch", "seq"),
+        _sqlite_only_fk("worker_id", "wq_workers.id", "SET NULL"),
         CheckConstraint(_in("state", ITEM_STATES), name="state"),
         # The claim's ORDER BY, on claimable rows only.
         Index(
@@ -159,7 +188,7 @@ class Item(Base):
     work_idx: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(10), server_default=PENDING)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
-    worker_id: Mapped[Optional[int]] = mapped_column(ForeignKey("wq_workers.id", ondelete="SET NULL"))
+    worker_id: Mapped[Optional[int]] = mapped_column(Integer)
     token: Mapped[Optional[int]] = mapped_column(BigInteger)
     claimed_at: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
     lease_until: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
@@ -192,10 +221,11 @@ class Event(Base):
     __table_args__ = (
         CheckConstraint(_in("kind", EVENT_KINDS), name="kind"),
         Index("ix_wq_events_queue_item", "queue_id", "item_id"),
+        _sqlite_only_fk("queue_id", "wq_queues.id", "CASCADE"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"))
+    queue_id: Mapped[int] = mapped_column(Integer)
     item_id: Mapped[int] = mapped_column(BigInteger)
     epoch: Mapped[int] = mapped_column(Integer)
     seq: Mapped[int] = mapped_column(Integer)
