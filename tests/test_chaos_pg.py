@@ -351,8 +351,8 @@ def test_foreign_row_lock_and_old_snapshot(url: str) -> None:
         with snap_eng.connect() as snap, lock_eng.connect() as locker:
             snap.execute(sa.text("BEGIN ISOLATION LEVEL REPEATABLE READ"))
             assert snap.execute(sa.text("SELECT count(*) FROM wq_items")).scalar() == n
-            # OF i: a lock on the wq_queues row would block every claim round that acknowledges
-            # (see docs/design.md).
+            # OF i: a lock on the wq_queues row would block a worker's first acknowledging round
+            # of each epoch (see docs/design.md).
             locked = locker.execute(sa.text(
                 "SELECT i.id FROM wq_items i JOIN wq_queues q ON q.id = i.queue_id "
                 "WHERE q.name = :q AND i.epoch = 0 AND i.seq = 5 AND i.state = 'pending' FOR UPDATE OF i"),
