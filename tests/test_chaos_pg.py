@@ -383,6 +383,55 @@ def test_foreign_row_lock_and_old_snapshot(url: str) -> None:
     assert dones == [(n,)], dones
 
 
+def test_a_foreign_lock_on_the_queue_row_blocks_only_joining_and_a_first_acknowledgement(url: str) -> None:
+    """A foreign ``SELECT ... FOR UPDATE`` on the queue's ``wq_queues`` row conflicts with the
+    ``KEY SHARE`` of a foreign-key check. Since migration 0009 the hot path checks none on
+    Postgres: a worker past its first acknowledgement of the epoch goes on taking (each take
+    acknowledges the previous item, with its history row) without waiting; a worker's first
+    acknowledgement (its counter row for the epoch is inserted) waits, and fails after
+    ``statement_timeout``; once the lock goes, it goes through, and nothing is lost."""
+    from wq_sql import QueueExhausted, WorkQueue
+    from wq_sql.engine import make_engine, resolve_url
+
+    n = 40
+    engines = [make_engine(resolve_url(url), statement_timeout=2.0) for _ in range(2)]
+    a = WorkQueue(make_works(n), num_epochs=1, shuffle=False, name=QUEUE, url=url, worker="a",
+                  lease_ahead=1, claim_ahead=False, engine=engines[0])
+    b = WorkQueue.attach(QUEUE, url=url, worker="b", lease_ahead=1, claim_ahead=False, engine=engines[1])
+    lock_eng = _foreign(url)
+    try:
+        a.take()
+        a.take()  # acknowledges the first: a's counter row exists
+        b.take()
+        with lock_eng.connect() as locker:
+            locked = locker.execute(sa.text("SELECT id FROM wq_queues WHERE name = :q FOR UPDATE"),
+                                    {"q": QUEUE}).all()
+            assert len(locked) == 1
+            times = _takes(a, 10)
+            assert max(times) < 1.0, f"an acknowledging take waited {max(times):.1f}s behind the lock"
+            t0 = time.perf_counter()
+            with pytest.raises(sa.exc.OperationalError, match="statement timeout"):  # not retried
+                b.take(timeout=0)
+            assert time.perf_counter() - t0 >= 1.5
+            locker.rollback()
+        a.close()  # acknowledges its last item: b drains the rest to the end
+        got = 0
+        with pytest.raises(QueueExhausted):
+            while True:
+                b.take(timeout=5)
+                got += 1
+        assert got > 0
+    finally:
+        a.close()
+        b.close()
+        for e in engines:
+            e.dispose()
+        lock_eng.dispose()
+    done = query(url, "SELECT count(*), count(DISTINCT (epoch, seq)) FROM wq_audit "
+                      "WHERE queue = :q AND state = 'done'", q=QUEUE)
+    assert done == [(n, n)], done
+
+
 @dataclass
 class LatencyRun:
     label: str
