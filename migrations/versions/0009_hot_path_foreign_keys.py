@@ -9,8 +9,8 @@ which sets the column) and ``wq_events.queue_id -> wq_queues`` (checked at every
 one per delivery). Each check is a trigger that runs a query and takes a ``KEY SHARE`` lock on the
 parent row. Every worker's acknowledgements locked the same queue row at once, so Postgres made
 a new MultiXact for nearly every claim round (1,957 for the 2,000 rounds of 8 workers draining
-8,000 items), and the checks took ~25% of a round's server time (48-50 against 36-38 us per
-item claimed and acknowledged, rounds of 256). wq_sql writes both columns only from rows it has
+8,000 items), and the checks took about a fifth of a round's server CPU (47.5 against 37.5 us
+per item claimed and acknowledged in rounds of 256, medians of 5: bench/pg_hot_keys.py). wq_sql writes both columns only from rows it has
 just read in the same transaction, and deletes children before parents (``ops.drop_queue``,
 ``ops.reset_queue``), so nothing else changes. No row changes either: the constraints are
 dropped, and the downgrade adds them back, checking every row.
