@@ -6,7 +6,7 @@ names: ``wq_items.worker_id -> wq_workers``, checked at every claim, and ``wq_ev
 wq_queues``, checked at every history row). For each:
 
 * rounds: one connection claims and acknowledges ``--items`` items in rounds of ``--round``
-  through ``wq_claim_round()``, as the claim path does; the server backend's CPU (from
+  with the claim path's own round (``ClaimRound``); the server backend's CPU (from
   ``/proc``) and the wall time, per item. Needs the server on this machine.
 * MultiXacts: ``--procs`` workers drain ``--items`` items with ``lease_ahead=4``; the MultiXact ids
   the server handed out meanwhile (``pg_control_checkpoint()`` after a ``CHECKPOINT`` before and
@@ -19,6 +19,7 @@ wq_queues``, checked at every history row). For each:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import sys
@@ -30,12 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PG_ADMIN, git_rev, machine, median, scratch_pg  # noqa: E402
 
 from wq_sql import QueueExhausted, WorkQueue  # noqa: E402
+from wq_sql.claim import ClaimRound  # noqa: E402
+from wq_sql.dialects import Dialect  # noqa: E402
 from wq_sql.engine import resolve_url  # noqa: E402
 
-KEYS = [  # as migration 0009 names them
-    ("wq_items", "fk_wq_items_worker_id_wq_workers", "worker_id", "wq_workers", "SET NULL"),
-    ("wq_events", "fk_wq_events_queue_id_wq_queues", "queue_id", "wq_queues", "CASCADE"),
-]
+
+def _keys() -> list[tuple[str, str, str, str, str]]:
+    """Migration 0009's dropped keys: (constraint, table, column, referred table, ON DELETE)."""
+    path = Path(__file__).resolve().parent.parent / "migrations" / "versions" / "0009_hot_path_foreign_keys.py"
+    spec = importlib.util.spec_from_file_location("wq_sql_migration_0009", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.KEYS)
 
 
 def _raw(url: str) -> Any:
@@ -52,7 +60,7 @@ def prepare(url: str, keys: bool) -> None:
     if keys:
         conn = _raw(url)
         with conn.cursor() as cur:
-            for table, name, column, referred, ondelete in KEYS:
+            for name, table, column, referred, ondelete in _keys():
                 cur.execute(f"ALTER TABLE {table} ADD CONSTRAINT {name} FOREIGN KEY ({column}) "
                             f"REFERENCES {referred} (id) ON DELETE {ondelete}")
         conn.close()
@@ -64,7 +72,8 @@ def _backend_cpu_ms(pid: int) -> float:
 
 
 def rounds(url: str, items: int, size: int) -> tuple[float, float]:
-    """Server CPU and wall time per item (us) of claiming and acknowledging ``items``."""
+    """Server CPU and wall time per item (us) of claiming and acknowledging ``items`` in rounds of
+    ``size``: the claim path's own round (``ClaimRound``), each call its own transaction."""
     name = f"r{time.monotonic_ns()}"
     WorkQueue([f"w{i}" for i in range(items)], name=name, url=url, worker="creator", shuffle=False,
               claim_ahead=False).close()
@@ -76,17 +85,16 @@ def rounds(url: str, items: int, size: int) -> tuple[float, float]:
             qid, wid = cur.fetchone()
             cur.execute("SELECT pg_backend_pid()")
             pid = cur.fetchone()[0]
-            sql = "SELECT * FROM wq_claim_round(%s, %s, 7, 60.0, -1, -1, %s, %s::bigint[], %s::bigint[])"
-            cur.execute(sql, (-1, wid, 1, [-1], [-1]))  # plans every statement (ClaimRound.warm)
-            cur.fetchall()
-            acks: list[int] = []
-            c0, t0 = _backend_cpu_ms(pid), time.perf_counter()
-            while True:
-                cur.execute(sql, (qid, wid, size, acks, [7] * len(acks)))
-                acks = [r[1] for r in cur.fetchall() if r[0] == "c"]
-                if not acks:
-                    break
-            wall, cpu = time.perf_counter() - t0, _backend_cpu_ms(pid) - c0
+        rnd = ClaimRound(Dialect("postgresql"), size, lease_seconds=60)
+        rnd.warm(conn, "")
+        acks: list[tuple[int, int]] = []
+        c0, t0 = _backend_cpu_ms(pid), time.perf_counter()
+        while True:
+            _, got, _ = rnd.run(conn, qid, wid, acks)
+            acks = [(c.id, c.token) for c in got]
+            if not acks:
+                break
+        wall, cpu = time.perf_counter() - t0, _backend_cpu_ms(pid) - c0
     finally:
         conn.close()
     return cpu * 1e3 / items, wall * 1e6 / items

@@ -186,3 +186,12 @@ def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | No
     if p.returncode != 0:
         raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+JOB_TABLES = ("wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events")
+
+
+def table_rows(engine: sa.Engine, tables: tuple[str, ...] = JOB_TABLES) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of each table, sorted: to check that something left a database as it was."""
+    with engine.connect() as c:
+        return {t: sorted(tuple(r) for r in c.execute(sa.text(f"SELECT * FROM {t}"))) for t in tables}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import _pg_url, drop_pg_database, new_pg_database
+from conftest import _pg_url, drop_pg_database, new_pg_database, table_rows
 
 from wq_sql import WorkQueue, ops
 from wq_sql.claim import ClaimRound
@@ -139,12 +139,6 @@ def test_a_round_finds_an_item_gone_back_below_its_floor(tmp_path: Path, pg_url:
     assert _gone_back_below(pg_url) == want
 
 
-def _rows(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
-    with engine.connect() as c:
-        return {t: sorted(tuple(r) for r in c.execute(sa.text(f"SELECT * FROM {t}")))
-                for t in ("wq_items", "wq_events", "wq_tallies", "wq_workers", "wq_queues")}
-
-
 def test_warming_the_postgres_round_reads_and_writes_nothing(tmp_path: Path, pg_url: str) -> None:
     """``ClaimRound.warm`` runs every statement of ``wq_claim_round()`` once (acks, the claim
     from a floor and below it) for a queue that does not exist: every row stays as it was, on a
@@ -154,11 +148,11 @@ def test_warming_the_postgres_round_reads_and_writes_nothing(tmp_path: Path, pg_
         wq.take()  # the first one is done now, the second claimed
         engine = make_engine(resolve_url(pg_url))
         try:
-            before = _rows(engine)
+            before = table_rows(engine)
             claim = ClaimRound(Dialect("postgresql"), 3, lease_seconds=60)
             with driver_statement(engine) as (conn, prefix):
                 claim.warm(conn, prefix)
-            assert _rows(engine) == before
+            assert table_rows(engine) == before
             with engine.connect() as c:
                 states = set(c.execute(sa.text("SELECT state FROM wq_items")).scalars())
             assert states == {"done", "claimed", "pending"}

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from conftest import table_rows
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
@@ -175,7 +176,7 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
     assert ("uq_wq_items_queue_id", ("queue_id", "epoch", "seq")) in tables["wq_items"]["uniques"]
     assert ("uq_wq_queues_name", ("name",)) in tables["wq_queues"]["uniques"]
     # The hot path's foreign keys: SQLite only (migration 0009); the others on both backends.
-    fks = {fk[0] for t in tables.values() for fk in t["fks"]}
+    fks = _fks(empty_db_url)
     assert "fk_wq_items_queue_id_wq_queues" in fks and "fk_wq_tallies_queue_id_wq_queues" in fks
     sqlite = empty_db_url.startswith("sqlite")
     assert {n: n in fks for n in SQLITE_ONLY_FOREIGN_KEYS} == dict.fromkeys(SQLITE_ONLY_FOREIGN_KEYS, sqlite)
@@ -201,21 +202,13 @@ def test_postgres_autovacuum_tuning_is_applied(empty_db_url: str) -> None:
 
 
 def _fks(url: str) -> set[str]:
-    engine = engine_for(url)
-    try:
-        with engine.connect() as c:
-            insp = sa.inspect(c)
-            return {fk["name"] for t in insp.get_table_names() for fk in insp.get_foreign_keys(t)}
-    finally:
-        engine.dispose()
+    return {fk[0] for t in snapshot(url)["tables"].values() for fk in t["fks"]}
 
 
 def _rows(url: str) -> dict[str, list[tuple[Any, ...]]]:
     engine = engine_for(url)
     try:
-        with engine.connect() as c:
-            return {t: sorted(tuple(r) for r in c.execute(sa.text(f"SELECT * FROM {t}")))
-                    for t in ("wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events")}
+        return table_rows(engine)
     finally:
         engine.dispose()
 
