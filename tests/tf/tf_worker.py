@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 
-def barrier(directory: str, me: str, n: int, timeout: float = 120) -> None:
-    Path(directory, f"ready-{me}").touch()
+def barrier(directory: str, me: str, n: int, timeout: float = 120, stage: str = "ready") -> None:
+    Path(directory, f"{stage}-{me}").touch()
     deadline = time.monotonic() + timeout
-    while len(list(Path(directory).glob("ready-*"))) < n:
+    while len(list(Path(directory).glob(f"{stage}-*"))) < n:
         if time.monotonic() > deadline:
             raise SystemExit("barrier timed out")
         time.sleep(0.05)
@@ -66,9 +66,18 @@ def text_lines(job: dict[str, Any]) -> dict[str, Any]:
     dataset = tf.data.TextLineDataset(work_queue.input_dataset()).batch(5).prefetch(1)
     barrier(job["barrier"], job["worker"], job["n_workers"])
     lines: list[str] = []
+    # Both workers also meet after their first batch (or at an end without one): a worker whose
+    # first steps run late on a busy machine (TF's first iteration) still finds the items the
+    # other's first hand-outs left, so the check that both take a share cannot fail by timing.
+    met = False
     for batch in dataset:
         lines.extend(x.decode("utf-8") for x in batch.numpy().tolist())
+        if not met:
+            barrier(job["barrier"], job["worker"], job["n_workers"], stage="first")
+            met = True
         time.sleep(job["pause"])
+    if not met:
+        barrier(job["barrier"], job["worker"], job["n_workers"], stage="first")
     iterator = iter(dataset)
     try:
         iterator.get_next()
