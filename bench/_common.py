@@ -218,3 +218,78 @@ def rss_mib(field: str = "VmRSS") -> float:
 def dump(path: Optional[str], data: Any) -> None:
     if path:
         Path(path).write_text(json.dumps(data, indent=1, default=str))
+
+
+class DurableRounds:
+    """Only the durable statements wq_sql makes per item, by the raw driver: claim rounds of up
+    to ``n`` items (``claim.ClaimRound``, the statement wq_sql runs), each also marking the
+    previous round's items done, with their history rows and counters. No hand-over of items,
+    no heartbeat, no Python of wq_sql but the round's own. The floor sides of the loader
+    benchmarks (``torch_loader.py --floor``, ``tf_textline.py --floor``) run these beside the
+    plain reading: what any loader that claims and completes every item durably costs at least.
+    ``qid``, ``worker_id``: a queue and a worker row made beforehand (:func:`floor_queue`)."""
+
+    def __init__(self, url: str, qid: int, worker_id: int, n: int) -> None:
+        from sqlalchemy.engine import make_url
+
+        from wq_sql.claim import ClaimRound
+        from wq_sql.dialects import Dialect
+
+        self.qid, self.worker_id = qid, worker_id
+        u = make_url(url)
+        sqlite = u.get_backend_name() == "sqlite"
+        if sqlite:
+            self.conn: Any = sqlite3.connect(str(u.database), isolation_level=None, timeout=30,
+                                           check_same_thread=False)  # made here, used in a thread
+        else:
+            import psycopg2
+
+            self.conn = psycopg2.connect(host=u.host, port=u.port, user=u.username, password=u.password,
+                                         dbname=u.database)
+            self.conn.autocommit = True  # the round is one statement, its own transaction
+        dialect = Dialect("sqlite" if sqlite else "postgresql")
+        self._round = ClaimRound(dialect, n, 60.0)
+        # SQLite: wq_sql's writers' queue in front of BEGIN IMMEDIATE, so that a writer waiting for
+        # the lock is woken when it is free, not by the busy handler's sleeps.
+        self._turns = dialect.writer_queue(u) if sqlite else None
+        self._acks: list[tuple[int, int]] = []
+
+    def next(self, limit: Optional[int] = None) -> tuple[list[Any], dict[int, str]]:
+        """One round: the previous round's items done, up to ``limit`` (default ``n``) claimed,
+        as (claimed items, work by work index)."""
+        if self._turns is None:
+            _, claimed, works = self._round.run(self.conn, self.qid, self.worker_id, self._acks, limit)
+        else:
+            with self._turns.turn():
+                self.conn.execute("BEGIN IMMEDIATE")
+                _, claimed, works = self._round.run(self.conn, self.qid, self.worker_id, self._acks, limit)
+                self.conn.execute("COMMIT")
+        self._acks = [(c.id, c.token) for c in claimed]
+        return claimed, works
+
+    def drain(self) -> Iterator[str]:
+        """Every item's work string, round after round, the last round's items marked done at the
+        end; closes the connection."""
+        while True:
+            claimed, works = self.next()
+            if not claimed:
+                break
+            for c in claimed:
+                yield works[c.work_idx]
+        self.next(0)
+        self.conn.close()
+
+
+def floor_queue(works: list[str], url: str, name: str, workers: int) -> tuple[int, list[int]]:
+    """For :class:`DurableRounds`: a queue of ``works`` and ``workers`` registered worker rows
+    (closed queue objects: their rows stay), as ``(queue id, worker ids)``."""
+    import wq_sql
+
+    wq_sql.WorkQueue(works, name=name, url=url, shuffle=True, worker="floor-maker").close()
+    ids, qid = [], -1
+    for k in range(workers):
+        q = wq_sql.WorkQueue.attach(name, url=url, worker=f"floor{k}")
+        ids.append(q.worker_id)
+        qid = q._qid
+        q.close()
+    return qid, ids

@@ -29,6 +29,11 @@ thread that holds no lock (SHA-256 in C, which releases the GIL) keeps DUTY of o
 0.6 ms bursts, i.e. the CPU that wq_sql's claim-ahead thread spends beside the pipeline, without
 any database. ``--structure`` adds another: ``input_dataset``'s own pipeline (the same ops and
 hand-out size) fed from a Python list, i.e. what its shape costs without the queue.
+``--floor N`` adds a floor: plain ``TextLineDataset(files)`` while a thread runs only the
+durable statements wq_sql makes for the same number of items (``_common.DurableRounds``: claim
+rounds of N, each marking the previous round done with its history rows and counters, by the raw
+driver), timed until both have ended: what any pipeline that claims and completes every file
+durably costs at least on this machine, so plain / floor bounds the ratio reachable here.
 ``--no-autotune`` turns tf.data's autotuner off on every side (the pipelines' own costs,
 compared without it; no teardown wait either).
 """
@@ -54,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _common import DurableRounds, floor_queue  # noqa: E402
 
 import wq_sql  # noqa: E402
 from wq_sql.tf import WorkQueue  # noqa: E402
@@ -139,6 +145,30 @@ def run_structure(paths: list[str], batch: int, lease_ahead: Optional[int]) -> t
     return consume(tf.data.TextLineDataset(names).batch(batch))
 
 
+def run_floor(paths: list[str], batch: int, url: str, n: int) -> tuple[int, float]:
+    """``--floor``: plain reading beside a thread that only claims and completes as many items in
+    rounds of ``n`` (the queue and its worker row made first, not timed)."""
+    name = f"floor_{uuid.uuid4().hex[:8]}"
+    qid, ids = floor_queue(paths, url, name, 1)
+    rounds = DurableRounds(url, qid, ids[0], n)
+    drained: list[float] = []
+
+    def drain() -> None:
+        drained.append(sum(1 for _ in rounds.drain()))
+        drained.append(time.perf_counter())
+
+    thread = threading.Thread(target=drain, name="floor-rounds")
+    start = time.perf_counter()
+    thread.start()
+    try:
+        got, seconds = consume(tf.data.TextLineDataset(paths).batch(batch))
+    finally:
+        thread.join()
+        wq_sql.drop_queue(name, url)
+    assert drained and drained[0] == len(paths), drained
+    return got, max(seconds, drained[1] - start)
+
+
 def run_wq(paths: list[str], batch: int, url: str, lease_ahead: Optional[int]) -> tuple[int, float]:
     """``lease_ahead=None``: the shim's default settings (no ``lease_ahead=`` passed)."""
     name = f"bench_{uuid.uuid4().hex[:8]}"
@@ -192,6 +222,8 @@ def main() -> None:
                     help="also time plain reading beside a GIL-free busy thread of this duty (0-1)")
     ap.add_argument("--structure", action="store_true",
                     help="also time input_dataset's pipeline fed from a Python list (no database)")
+    ap.add_argument("--floor", type=int, default=0, metavar="N",
+                    help="also time plain reading beside only the durable statements, in rounds of N")
     ap.add_argument("--no-autotune", action="store_true",
                     help="both sides with tf.data's autotuner off (no bimodal slow mode)")
     ap.add_argument("--json", default=None, help="also write every run's seconds and the ratios here")
@@ -210,7 +242,7 @@ def main() -> None:
         run_wq(paths, args.batch, url, args.lease_ahead[0])
         results: list[dict[str, Any]] = []
         for lease_ahead in args.lease_ahead:
-            plain, ours, burning, shaped = [], [], [], []
+            plain, ours, burning, shaped, floor = [], [], [], [], []
             plain_td, ours_td = [], []
             for _ in range(args.runs):
                 n, s = run_plain(paths, args.batch)
@@ -225,6 +257,10 @@ def main() -> None:
                     n, s = run_plain_burning(paths, args.batch, args.burner)
                     assert n == expected, (n, expected)
                     burning.append(s)
+                if args.floor:
+                    n, s = run_floor(paths, args.batch, url, args.floor)
+                    assert n == expected, (n, expected)
+                    floor.append(s)
                 if args.structure:
                     n, s = run_structure(paths, args.batch, lease_ahead)
                     assert n == expected, (n, expected)
@@ -237,6 +273,9 @@ def main() -> None:
             if shaped:
                 line += (f"  | the same pipeline from a list: {p / statistics.median(shaped):.2f}x "
                          f"(best {min(plain) / min(shaped):.2f}x)")
+            if floor:
+                line += (f"  | floor (plain + the durable statements, rounds of {args.floor}): "
+                         f"{p / statistics.median(floor):.2f}x (best {min(plain) / min(floor):.2f}x)")
             if burning:
                 line += (f"  | plain beside a {args.burner:.0%} burner: {p / statistics.median(burning):.2f}x "
                          f"(best {min(plain) / min(burning):.2f}x)")
@@ -248,6 +287,7 @@ def main() -> None:
                             "lines": args.lines, "lease_ahead": shown, "autotune": AUTOTUNE,
                             "plain_s": plain, "wq_sql_s": ours,
                             "plain_teardown_s": plain_td, "wq_sql_teardown_s": ours_td, "burner_s": burning, "structure_s": shaped,
+                            "floor_s": floor, "floor_n": args.floor,
                             "ratio": p / o, "best_ratio": min(plain) / min(ours),
                             "load": os.getloadavg()[0]})
         if args.json:

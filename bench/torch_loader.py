@@ -58,7 +58,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import PG_ADMIN, git_rev, machine, scratch  # noqa: E402
+from _common import PG_ADMIN, DurableRounds, floor_queue, git_rev, machine, scratch  # noqa: E402
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
@@ -108,63 +108,10 @@ class DurableFloor(IterableDataset):  # type: ignore[type-arg]
         self.url, self.qid, self.worker_ids, self.n = url, qid, worker_ids, n
 
     def __iter__(self) -> Any:
-        from sqlalchemy.engine import make_url
-
-        from wq_sql.claim import ClaimRound
-        from wq_sql.dialects import Dialect
-
         info = get_worker_info()
-        wid = self.worker_ids[info.id if info is not None else 0]
-        sqlite = self.url.startswith("sqlite")
-        if sqlite:
-            import sqlite3
-
-            conn: Any = sqlite3.connect(self.url.split("///", 1)[1], isolation_level=None, timeout=30)
-        else:
-            import psycopg2
-
-            u = make_url(self.url)
-            conn = psycopg2.connect(host=u.host, port=u.port, user=u.username, password=u.password,
-                                    dbname=u.database)
-            conn.autocommit = True  # the round is one statement, its own transaction
-        dialect = Dialect("sqlite" if sqlite else "postgresql")
-        r = ClaimRound(dialect, self.n, 60.0)
-        # SQLite: wq_sql's writers' queue in front of BEGIN IMMEDIATE, so that a writer waiting for
-        # the lock is woken when it is free, not by the busy handler's sleeps.
-        turns = dialect.writer_queue(make_url(self.url)) if sqlite else None
-
-        def round_(acks: list[tuple[int, int]], limit: int) -> Any:
-            if turns is None:
-                return r.run(conn, self.qid, wid, acks, limit)
-            with turns.turn():
-                conn.execute("BEGIN IMMEDIATE")
-                got = r.run(conn, self.qid, wid, acks, limit)
-                conn.execute("COMMIT")
-            return got
-
-        acks: list[tuple[int, int]] = []
-        while True:
-            _, claimed, works = round_(acks, self.n)
-            if not claimed:
-                break
-            acks = [(c.id, c.token) for c in claimed]
-            for c in claimed:
-                yield from read_lines(works[c.work_idx])
-        round_(acks, 0)
-        conn.close()
-
-
-def floor_queue(files: list[str], url: str, name: str, workers: int) -> tuple[int, list[int]]:
-    """For :class:`DurableFloor`: a queue of ``files`` and ``workers`` registered worker rows
-    (closed queue objects: their rows stay), as ``(queue id, worker ids)``."""
-    wq_sql.WorkQueue(files, name=name, url=url, shuffle=True, worker="floor-maker").close()
-    ids = []
-    for k in range(workers):
-        q = wq_sql.WorkQueue.attach(name, url=url, worker=f"floor{k}")
-        ids.append(q.worker_id)
-        qid = q._qid
-        q.close()
-    return qid, ids
+        rounds = DurableRounds(self.url, self.qid, self.worker_ids[info.id if info is not None else 0], self.n)
+        for work in rounds.drain():
+            yield from read_lines(work)
 
 
 def timed_passes(loader: Any, epochs: int, expect: int, save_every: int = 0) -> float:
