@@ -358,11 +358,17 @@ def test_records_iterates_every_record_of_every_item(db_url: str) -> None:
 # ---------------------------------------------------------------- several processes
 
 WORKER = """
-import json, sys, time
+import json, pathlib, sys, time
 from wq_sql import WorkQueue
-url, out = sys.argv[1], sys.argv[2]
+url, out, barrier = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[4])
 with WorkQueue(json.loads(sys.argv[3]), num_slices=40, num_epochs=2, url=url, seed=3) as wq, \\
         open(out, "w") as f:
+    # Start together (bounded): on a busy machine one process's imports can take longer than
+    # another's whole drain, and the check that the work was shared would fail by timing.
+    (barrier / pathlib.Path(out).name).touch()
+    deadline = time.monotonic() + 60
+    while len(list(barrier.iterdir())) < int(sys.argv[5]) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for item in wq:
         for rec in wq.read(item):
             f.write(json.dumps([item.epoch, list(rec) if isinstance(rec, tuple) else rec.decode()]) + "\\n")
@@ -378,7 +384,9 @@ def test_several_processes_read_every_record_once_per_epoch(db_url: str, tmp_pat
     works = json.dumps(["table:events", f"lines:{text}"])
     outs = [tmp_path / f"out{i}.jsonl" for i in range(4)]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, db_url, str(o), works], env=env,
+    (tmp_path / "barrier").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, db_url, str(o), works, str(tmp_path / "barrier"),
+                               str(len(outs))], env=env,
                               stderr=subprocess.PIPE, text=True) for o in outs]
     for p in procs:
         _, err = p.communicate(timeout=300)
