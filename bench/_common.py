@@ -286,10 +286,9 @@ def floor_queue(works: list[str], url: str, name: str, workers: int) -> tuple[in
     import wq_sql
 
     wq_sql.WorkQueue(works, name=name, url=url, shuffle=True, worker="floor-maker").close()
-    ids, qid = [], -1
+    ids = []
     for k in range(workers):
         q = wq_sql.WorkQueue.attach(name, url=url, worker=f"floor{k}")
         ids.append(q.worker_id)
-        qid = q._qid
         q.close()
-    return qid, ids
+    return queue_id(url, name), ids

@@ -151,11 +151,11 @@ def run_floor(paths: list[str], batch: int, url: str, n: int) -> tuple[int, floa
     name = f"floor_{uuid.uuid4().hex[:8]}"
     qid, ids = floor_queue(paths, url, name, 1)
     rounds = DurableRounds(url, qid, ids[0], n)
-    drained: list[float] = []
+    drained: list[tuple[int, float]] = []  # (items, when the last round ended)
 
     def drain() -> None:
-        drained.append(sum(1 for _ in rounds.drain()))
-        drained.append(time.perf_counter())
+        n = sum(1 for _ in rounds.drain())
+        drained.append((n, time.perf_counter()))
 
     thread = threading.Thread(target=drain, name="floor-rounds")
     start = time.perf_counter()
@@ -165,8 +165,8 @@ def run_floor(paths: list[str], batch: int, url: str, n: int) -> tuple[int, floa
     finally:
         thread.join()
         wq_sql.drop_queue(name, url)
-    assert drained and drained[0] == len(paths), drained
-    return got, max(seconds, drained[1] - start)
+    assert drained and drained[0][0] == len(paths), drained
+    return got, max(seconds, drained[0][1] - start)
 
 
 WAITS: list[tuple[float, float, int]] = []  # per wq_sql run: (s in hand-outs, s in the last one, hand-outs)
