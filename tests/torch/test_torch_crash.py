@@ -22,7 +22,9 @@ def test_killed_rank_gets_its_items_back_first(db_url: str, tmp_path: Path) -> N
            "batch_size": 4, "lease_ahead": 4, "log": str(log),
            "options": {"heartbeat_seconds": 30, "lease_seconds": 120}}
     port = free_port()
-    peer = start_rank(job, 0, 2, port, read_seconds=0.02)
+    # The peer reads 5x slower: on a busy machine rank 1's start (torch's import, its DataLoader
+    # workers) can lag by seconds, and a fast peer would drain the queue before rank 1 holds anything.
+    peer = start_rank(job, 0, 2, port, read_seconds=0.1)
     victim = start_rank(job, 1, 2, port, read_seconds=0.02)
     deadline = time.monotonic() + 60
     while len(read_log(Path(f"{log}.rank1"))) < 10:
