@@ -558,9 +558,9 @@ class Dispenser:
             return self._fill(limit)
 
     def room(self) -> int:
-        """Places a refill may claim into: the round's size less what is buffered or handed out
-        and not yet acknowledged (but one, the item in use)."""
-        return self.sizer.size - len(self.book.buffer) - max(0, self.book.handed - 1)
+        """Places a refill may claim into: the round's size less what is buffered (claimed, not
+        handed out yet)."""
+        return self.sizer.size - len(self.book.buffer)
 
     def refill_soon(self, min_claim: int) -> None:
         """``WorkQueue.refill_soon``. A kick that would find fewer than ``min_claim`` places free

@@ -54,11 +54,11 @@ def test_take_many_hands_out_what_is_buffered_and_acks_a_hand_out_at_the_next(ur
     assert wq.take_many(3) == ["w0", "w1", "w2"]  # one round trip claimed w0..w3
     assert wq.take_many(3) == ["w3"]              # what the buffer holds; w0..w2 acked next trip
     assert states_of(url, "work_queue", "w") == {"claimed": 4}
-    # The hand-out's items but one count against lease_ahead: 4 - 0 buffered - (1 - 1) = 4 free.
+    # lease_ahead bounds what is claimed and not handed out yet: 4 - 0 buffered = 4 free.
     assert wq.prefetch() == 4
     assert states_of(url, "work_queue", "w") == {"claimed": 5, "done": 3}
     assert wq.take_many(4) == ["w4", "w5", "w6", "w7"]
-    assert wq.prefetch() == 1                     # 4 - 0 - (4 - 1): w8
+    assert wq.prefetch() == 2                     # 4 - 0 buffered, the hand-out not counted: w8, w9
     assert wq.take_many(0) == ["w8"]              # at least one
     assert wq.take_many(5) == ["w9"]              # the round trip claimed the last one
     with pytest.raises(wq_sql.QueueExhausted):
@@ -67,19 +67,19 @@ def test_take_many_hands_out_what_is_buffered_and_acks_a_hand_out_at_the_next(ur
     assert states_of(url, "work_queue", "w") == {"done": 10}
 
 def test_take_many_with_claim_leaves_the_rest_to_prefetch(url: str) -> None:
-    works = [f"w{i}" for i in range(10)]
+    works = [f"w{i}" for i in range(12)]
     wq = wq_sql.WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=6)
     assert wq.take_many(2, claim=2) == ["w0", "w1"]  # the empty buffer: only this hand-out claimed
     assert claimed(url, "w") == 2
-    assert wq.prefetch() == 5                        # 6 - 0 buffered - (2 - 1)
+    assert wq.prefetch() == 6                        # 6 - 0 buffered: the hand-out does not count
     assert wq.take_many(2, claim=2) == ["w2", "w3"]  # from the buffer: claim= changes nothing
-    assert claimed(url, "w") == 7
-    assert wq.take_many(9, claim=9) == ["w4", "w5", "w6"]
-    assert wq.take_many(1, claim=50) == ["w7"]      # claims up to lease_ahead: the three left
-    assert states_of(url, "work_queue", "w") == {"claimed": 3, "done": 7}
-    assert wq.take_many(5) == ["w8", "w9"]
+    assert claimed(url, "w") == 8
+    assert wq.take_many(9, claim=9) == ["w4", "w5", "w6", "w7"]
+    assert wq.take_many(1, claim=50) == ["w8"]      # claims up to lease_ahead: the four left
+    assert states_of(url, "work_queue", "w") == {"claimed": 4, "done": 8}
+    assert wq.take_many(5) == ["w9", "w10", "w11"]
     wq.close()
-    assert states_of(url, "work_queue", "w") == {"done": 10}
+    assert states_of(url, "work_queue", "w") == {"done": 12}
 
 
 
@@ -143,8 +143,11 @@ def test_input_dataset_prefetches_in_the_background_within_lease_ahead(url: str,
     time.sleep(0.2)
     assert states_of(url, "work_queue", "w") == {}  # nothing before the first pull
     # The thread refills once half of lease_ahead is free (so that one round trip claims
-    # several), up to lease_ahead claimed ahead plus the item handed out, never beyond.
-    pulls = max(1, (lease_ahead + 1) // 2) + 1
+    # several), up to lease_ahead claimed beyond what was handed out, never more. Hand-outs
+    # are of k items: the pipeline's pulls reached into the second.
+    k = max(1, (lease_ahead + 1) // 2)
+    pulls = k + 1
+    handed = 2 * k
     assert [next(it).numpy().decode() for _ in range(pulls)] == works[:pulls]
 
     def held() -> int:  # claimed or done by this worker
@@ -153,7 +156,7 @@ def test_input_dataset_prefetches_in_the_background_within_lease_ahead(url: str,
     # Without the thread, the first round trip's lease_ahead items (or one per pull) would be all.
     assert wait_for(lambda: held() > max(lease_ahead, pulls))
     time.sleep(0.3)
-    assert max(lease_ahead, pulls) < held() <= pulls + lease_ahead
+    assert max(lease_ahead, pulls) < held() <= handed + lease_ahead
     assert states_of(url, "work_queue", "w").get("done", 0) <= pulls - 1  # done = pulled past
     assert [x.numpy().decode() for x in it] == works[pulls:]
     wq.close()
