@@ -36,6 +36,9 @@ sys.path.insert(0, str(SRC))
 from wq_sql.engine import resolve_url  # noqa: E402
 
 PG_ADMIN = os.environ.get("WQ_SQL_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+# Issue 16's goals for wq_sql take() / the raw driver, one process, by (backend, lease_ahead)
+# (claim_throughput.py's verdicts, headline.py's table).
+CLAIM_GOALS = {("sqlite", 32): 0.70, ("sqlite", 1): 0.60, ("postgresql", 32): 0.85, ("postgresql", 1): 0.70}
 
 
 def pg_url(admin: str, db: str) -> str:

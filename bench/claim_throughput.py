@@ -66,6 +66,7 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    CLAIM_GOALS,
     add_pg_args,
     dump,
     git_rev,
@@ -85,9 +86,6 @@ from wq_sql.engine import make_engine, resolve_url  # noqa: E402
 
 QUEUE = "bench"
 VARIANTS = ("wq_sql", "raw", "raw_same", "raw_min")
-# wq_sql / raw for one process (issue 16): by (backend, lease_ahead); other sizes 0.8.
-ONE_PROCESS_GOALS = {("sqlite", 32): 0.70, ("sqlite", 1): 0.60, ("postgresql", 32): 0.85,
-                     ("postgresql", 1): 0.70}
 
 
 # ---------------------------------------------------------------- the raw reference
@@ -479,7 +477,7 @@ def report(runs: list[dict[str, Any]], backend: str, procs: list[int], las: list
             ratio = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw", []))])
             ratio_same = median([w["rate"] / r["rate"] for w, r in zip(sel.get("wq_sql", []), sel.get("raw_same", []))])
             # One process: issue 16's targets per backend; several (--cluster, issue 11): 0.5 / 0.8.
-            target = (ONE_PROCESS_GOALS.get((backend, n), 0.8) if p == 1
+            target = (CLAIM_GOALS.get((backend, n), 0.8) if p == 1
                       else 0.5 if n == 1 else 0.8)
             verdict = "met" if ratio >= target else "MISSED"
             def g(v: str, k: str, med: dict[str, dict[str, float]] = med) -> float:

@@ -55,7 +55,7 @@ from typing import Any, Optional
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PG_ADMIN, git_rev, machine, median, scratch_pg  # noqa: E402
+from _common import CLAIM_GOALS, PG_ADMIN, git_rev, machine, median, scratch_pg  # noqa: E402
 
 from wq_sql.engine import resolve_url  # noqa: E402
 
@@ -99,9 +99,6 @@ def _verdict(ok: bool) -> str:
 
 
 # ---------------------------------------------------------------- reading each benchmark's JSON
-
-
-CLAIM_GOALS = {("sqlite", 32): 0.70, ("sqlite", 1): 0.60, ("postgresql", 32): 0.85, ("postgresql", 1): 0.70}
 
 
 def _claim_target(backend: str, n: int) -> str:

@@ -55,15 +55,14 @@ def _work_item(value: str, work: str, epoch: int, seq: int, item_id: int, token:
 
 class Holdings:
     """``buffer``: claimed, not yet handed out (in hand-out order). ``out``: handed out, not yet
-    acknowledged. ``acks``: to be marked done by the next transaction. ``handed``: how many the
-    last hand-out gave. The three pools never share an item."""
+    acknowledged. ``acks``: to be marked done by the next transaction. The three pools never
+    share an item."""
 
     def __init__(self, prefix: Optional[str]) -> None:
         self.prefix = prefix or ""
         self.buffer: deque[WorkItem] = deque()
         self.out: dict[int, WorkItem] = {}
         self.acks: dict[int, WorkItem] = {}
-        self.handed = 0
         self._recent: OrderedDict[str, WorkItem] = OrderedDict()
 
     def add(self, claimed: list[Claimed], works: dict[int, str]) -> None:
@@ -82,7 +81,6 @@ class Holdings:
         recent.move_to_end(item)
         if len(recent) > RECENT:
             recent.popitem(last=False)
-        self.handed = 1
         return item
 
     def hand_out(self, n: int) -> list[WorkItem]:
@@ -97,7 +95,6 @@ class Holdings:
             recent.move_to_end(item)
         while len(recent) > RECENT:
             recent.popitem(last=False)
-        self.handed = len(got)
         return got
 
     def ack_out(self) -> None:
@@ -164,4 +161,3 @@ class Holdings:
         self.buffer.clear()
         self.out.clear()
         self.acks.clear()
-        self.handed = 0
