@@ -303,3 +303,32 @@ def test_polls_are_spaced_with_the_heartbeats_polls() -> None:
     assert before_beat(0.0, 1.6, 1.0) == 2.6  # a 1.6 s period: one transaction per period, not two
     assert before_beat(0.0, 5.0, 2.0) == 2.5  # 5 s and 2 s: two gaps of 2.5 s, not 2 + 2 + 1
     assert before_beat(5.2, 5.0, 1.0) == 6.2  # a beat overdue (in flight): an interval from now
+
+
+def test_the_read_of_a_finished_queue_skips_its_probes_and_says_so(db_url: str) -> None:
+    """``Look`` skips its three index probes once the tallies count every item finished. Before
+    that it must still run them (an item pending, one held), and the finished test must hold
+    for any ``num_epochs``, up to 2**62 (``n_works * num_epochs`` overflows 64 bits there)."""
+    wq = WorkQueue(["a", "b"], num_epochs=2**62, shuffle=False, name="huge", url=db_url, worker="w",
+                   lease_ahead=1, claim_ahead=False)
+    try:
+        assert wq.take() == "a"
+        peek = wq._d._look()
+        assert (peek.pending, peek.expired, peek.mine, peek.finished) == (True, False, 1, 0)
+    finally:
+        wq.close()
+    wq = WorkQueue(["a", "b"], shuffle=False, name="small", url=db_url, worker="w", lease_ahead=1,
+                   claim_ahead=False, auto_complete=False)
+    try:
+        first = wq.take()
+        peek = wq._d._look()
+        assert (peek.pending, peek.mine, peek.finished) == (True, 1, 0)
+        wq.complete(first)
+        wq.complete(wq.take())
+        peek = wq._d._look()
+        got = (peek.pending, peek.expired, peek.mine, peek.finished, peek.num_epochs)
+        assert got == (False, False, 0, 2, 1)
+        with pytest.raises(QueueExhausted):
+            wq.take(timeout=0)
+    finally:
+        wq.close()

@@ -49,12 +49,21 @@ class Look:
         # row per (epoch, worker). Parameters, in order: the queue id three times, the worker
         # id, the queue id twice. Named columns: the heartbeat's renewal reads the statement as
         # a derived table (renewal.Renewal).
+        # Once the tallies count every item of every epoch finished, nothing is pending or
+        # claimed, and the three probes are skipped (CASE evaluates a subquery only when its
+        # branch is taken). That is the read that learns the end, right after the last
+        # acknowledgements: the partial indexes then hold an entry per item whose row version
+        # is dead, each checked against the table until VACUUM (Postgres, 1,000 items: 1.2 of
+        # 1.3 ms of execution, 51 buffers against 11).
+        # (The product in numeric on Postgres, real on SQLite: num_epochs may be up to 2**62.)
+        fin = "t.finished >= q.num_epochs * (q.n_works + 0.0)"
         self.sql = (
-            f"SELECT EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{PENDING}') "
-            f"AS pending, EXISTS (SELECT 1 FROM {p}wq_items WHERE queue_id = {mark} AND state = '{CLAIMED}' "
-            f"AND lease_until < {now}) AS expired, "
-            f"(SELECT count(*) FROM {p}wq_items WHERE queue_id = {mark} AND worker_id = {mark} "
-            f"AND state = '{CLAIMED}') AS mine, "
+            f"SELECT CASE WHEN {fin} THEN {self._false(b)} ELSE EXISTS (SELECT 1 FROM {p}wq_items "
+            f"WHERE queue_id = {mark} AND state = '{PENDING}') END AS pending, "
+            f"CASE WHEN {fin} THEN {self._false(b)} ELSE EXISTS (SELECT 1 FROM {p}wq_items "
+            f"WHERE queue_id = {mark} AND state = '{CLAIMED}' AND lease_until < {now}) END AS expired, "
+            f"CASE WHEN {fin} THEN 0 ELSE (SELECT count(*) FROM {p}wq_items WHERE queue_id = {mark} "
+            f"AND worker_id = {mark} AND state = '{CLAIMED}') END AS mine, "
             "t.finished, t.failed, q.epochs_created, q.num_epochs "
             f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
             f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
@@ -66,6 +75,10 @@ class Look:
             "CASE WHEN l.finished >= %s AND l.num_epochs = %s THEN pg_notify(%s, %s::text || 'end ' || "
             "l.finished || ' ' || l.failed || ' ' || l.num_epochs) END "
             f"FROM ({self.sql}) l")
+
+    @staticmethod
+    def _false(b: Dialect) -> str:
+        return "0" if b.is_sqlite else "false"
 
     def read_ringing(self, conn: Any, prefix: str, qid: int, worker_id: int, total: int, num_epochs: int,
                      channel: str, head: str) -> Peek:
