@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from sqlalchemy.exc import DBAPIError
 
-from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect, qualifier
+from wq_sql.dialects import SQLITE_LATER, SQLITE_NOW, Dialect, pg_bigints, qualifier
 from wq_sql.ops import Claimed, new_token
 from wq_sql.pooling import last_rows
 from wq_sql.renewal import Carry
@@ -112,7 +112,7 @@ class ClaimRound:
             return
         with conn.cursor() as cur:
             cur.execute(prefix + self._sql, {"q": -1, "w": -1, "t": 0, "lease": self.lease, "fe": 0, "fs": 0,
-                                             "lim": 1, "ack_ids": [-1], "ack_tokens": [-1]})
+                                             "lim": 1, "ack_ids": "{-1}", "ack_tokens": "{-1}"})
             last_rows(cur)
 
     def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
@@ -135,7 +135,7 @@ class ClaimRound:
         floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
         fe, fs = floor or (-1, -1)
         params = {"q": qid, "w": worker_id, "t": token, "lease": self.lease, "fe": fe, "fs": fs, "lim": n,
-                  "ack_ids": [a[0] for a in acks], "ack_tokens": [a[1] for a in acks]}
+                  "ack_ids": pg_bigints(a[0] for a in acks), "ack_tokens": pg_bigints(a[1] for a in acks)}
         sql = self._sql
         if carry is not None:  # one more row, kind 'b': whether the renewal's worker row matched
             ctes, more = carry.pg()
