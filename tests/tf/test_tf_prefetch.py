@@ -8,13 +8,14 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import tensorflow as tf
 from tf_support import states_of
 
 import wq_sql
+import wq_sql.tf as wq_sql_tf
 from wq_sql.tf import WorkQueue
 
 
@@ -130,6 +131,31 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+@pytest.mark.parametrize("lease_ahead", [256, None])
+def test_input_dataset_hands_out_at_most_hand_out_max_items_per_call(url: str,
+                                                                    lease_ahead: Optional[int]) -> None:
+    """A large lease_ahead (given, or grown by the automatic size on fast reads) still reaches the
+    pipeline HAND_OUT_MAX items per Python call at most: what a crash may deliver again, what a
+    checkpoint assumes read ahead and the acknowledgements of the last pull stay bounded."""
+    works = [f"w{i}" for i in range(1000)]
+    wq = WorkQueue(works, shuffle=False, url=url, worker="w",
+                   **({} if lease_ahead is None else {"lease_ahead": lease_ahead}))
+    sizes: list[int] = []
+    hand_out = wq._next_many
+
+    def counted() -> Any:
+        got = hand_out()
+        sizes.append(len(got))
+        return got
+
+    wq._next_many = counted  # type: ignore[method-assign]  # read by input_dataset()'s take
+    assert [x.numpy().decode() for x in wq.input_dataset()] == works
+    wq.close()
+    assert max(sizes) == wq_sql_tf.HAND_OUT_MAX, sizes  # reached, never passed
+    assert wq.default_read_ahead == wq_sql_tf.DEFAULT_READ_AHEAD + wq_sql_tf.HAND_OUT_MAX
+    assert states_of(url, "work_queue", "w") == {"done": 1000}
 
 
 @pytest.mark.parametrize("lease_ahead", [1, 4, 16])
