@@ -114,8 +114,8 @@ class WorkQueue:
       heartbeat; then any worker may take it (an attempt counted).
     - ``lease_ahead=None``: items claimed per round trip, kept in a local buffer until taken.
       ``None`` sizes it from this worker's own time per item (the time between hand-outs
-      outside ``take()``): the items of one round cover about 20 ms of its work, from 1 (steps
-      of 20 ms or more) to 512 (items used in microseconds); see :class:`wq_sql.pacer.Sizer`.
+      outside ``take()``): the items of one round cover about 0.1 s of its work, from 1 (steps
+      of 0.1 s or more) to 512 (items used in microseconds); see :class:`wq_sql.pacer.Sizer`.
       :attr:`lease_ahead` reads the size in force.
     - ``max_attempts=None``: failed deliveries (``fail()``, an expired lease, a crash) after
       which an item is ``failed``; ``None`` means the stored value when joining, 3 when creating.

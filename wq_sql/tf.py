@@ -38,8 +38,8 @@ next hand-out is taken, which tf.data does only after the pipeline pulled all of
 item is never done before the pipeline reached it; after a crash, up to ``k - 1`` items that
 were already read may be delivered again (never lost). By default (no ``lease_ahead``) the core
 sizes ``lease_ahead`` from the pipeline's own time per item (:class:`wq_sql.pacer.Sizer`), so the
-items claimed ahead cover about 20 ms of reading: hundreds of small files per round trip and per
-Python call, one item at a time when an item takes 20 ms or more; ``k`` follows it. A fixed
+items claimed ahead cover about 0.1 s of reading: hundreds of small files per round trip,
+one item at a time when an item takes 0.1 s or more; ``k`` follows it. A fixed
 ``lease_ahead=n`` turns that off (``bench/tf_textline.py``; numbers in ``BENCHMARKS.md``).
 
 Checkpoint-consistent consumption (``WorkQueue(..., consumed="checkpoint")``): items handed to
