@@ -110,9 +110,10 @@ class ClaimRound:
         as :meth:`run`'s (``Db.driver_round``). SQLite: nothing (no plans kept across rounds)."""
         if self.b.is_sqlite:
             return
+        none = pg_bigints([-1])  # no such item
         with conn.cursor() as cur:
             cur.execute(prefix + self._sql, {"q": -1, "w": -1, "t": 0, "lease": self.lease, "fe": 0, "fs": 0,
-                                             "lim": 1, "ack_ids": "{-1}", "ack_tokens": "{-1}"})
+                                             "lim": 1, "ack_ids": none, "ack_tokens": none})
             last_rows(cur)
 
     def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],

@@ -43,6 +43,7 @@ SQLITE_LATER = "(strftime('%Y-%m-%d %H:%M:%f', 'now', ?) || '000')"
 # flush of its own: ~2-4 ms here, at the end of every drain on the last worker's path).
 PG_LAZY_COMMIT = "SET LOCAL synchronous_commit = off; "
 
+
 def pg_bigints(values: Iterable[int]) -> str:
     """Postgres: integers as the text of an array literal (``'{1,2,3}'``), for a parameter cast
     with ``::bigint[]``. psycopg2 adapts a Python list element by element, as ``ARRAY[...]``,
