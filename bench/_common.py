@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = Path(os.environ.get("WQ_SQL_BENCH_SRC") or ROOT)
 sys.path.insert(0, str(SRC))
 
-from wq_sql.engine import resolve_url  # noqa: E402
+from wq_sql.store.engine import resolve_url  # noqa: E402
 
 PG_ADMIN = os.environ.get("WQ_SQL_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # Issue 16's goals for wq_sql take() / the raw driver, one process, by (backend, lease_ahead)
@@ -170,7 +170,7 @@ def add_pg_args(ap: argparse.ArgumentParser) -> None:
     """``--pg ADMIN_URL`` (the shared server), or ``--cluster`` (a throwaway one, below)."""
     ap.add_argument("--pg", default=PG_ADMIN, help="admin URL of the Postgres server (scratch databases)")
     ap.add_argument("--cluster", action="store_true",
-                    help="run on a throwaway cluster (tests/pgcluster.py: initdb + pg_ctl on a free port) "
+                    help="run on a throwaway cluster (tests/support/pgcluster.py: initdb + pg_ctl on a free port) "
                          "with initdb's stock settings plus --pg-set, instead of --pg")
     ap.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
                     help="with --cluster: a postgresql.conf setting (repeatable)")
@@ -183,7 +183,7 @@ def pg_server(a: argparse.Namespace, settings: Optional[dict[str, str]] = None) 
     if not getattr(a, "cluster", False):
         yield a.pg
         return
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from pgcluster import PgCluster  # the tests' throwaway cluster
 
     conf = dict(settings or {})
@@ -235,8 +235,8 @@ class DurableRounds:
     def __init__(self, url: str, qid: int, worker_id: int, n: int) -> None:
         from sqlalchemy.engine import make_url
 
-        from wq_sql.claim import ClaimRound
-        from wq_sql.dialects import Dialect
+        from wq_sql.store.dialects import Dialect
+        from wq_sql.store.hot.claim import ClaimRound
 
         self.qid, self.worker_id = qid, worker_id
         u = make_url(url)

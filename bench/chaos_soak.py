@@ -1,4 +1,4 @@
-"""The long form of tests/test_chaos.py: the SIGKILL-and-restart drain, bigger and repeated.
+"""The long form of tests/contract/test_chaos.py: the SIGKILL-and-restart drain, bigger and repeated.
 
     .venv/bin/python bench/chaos_soak.py --rounds 5 --works 1000 --kills 60
 
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     for r in range(a.rounds):
         print(f"== round {r + 1}/{a.rounds}: {a.works} works x 2 epochs, up to {a.kills} kills", flush=True)
         rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                              str(ROOT / "tests" / "test_chaos.py"), "-k", a.k], cwd=ROOT, env=env)
+                              str(ROOT / "tests" / "contract" / "test_chaos.py"), "-k", a.k], cwd=ROOT, env=env)
         if rc:
             return rc
     return 0

@@ -37,7 +37,7 @@ Reported: items/s (sum over processes), ratio to ``raw``, p50/p99 latency of a r
     .venv/bin/python bench/claim_throughput.py                      # both backends
     .venv/bin/python bench/claim_throughput.py --backends postgresql --procs 1,2,4,8 --repeats 3
     # 16 processes, and 256 concurrent connections (8 processes x 32 threads, one connection each),
-    # on a throwaway cluster (tests/pgcluster.py) with max_connections = 300:
+    # on a throwaway cluster (tests/support/pgcluster.py) with max_connections = 300:
     .venv/bin/python bench/claim_throughput.py --backends postgresql --cluster --procs 16
     .venv/bin/python bench/claim_throughput.py --backends postgresql --cluster --procs 8 --threads 32
 
@@ -79,10 +79,10 @@ from _common import (  # noqa: E402
 )
 
 from wq_sql import WorkQueue  # noqa: E402
-from wq_sql.claim import ClaimRound  # noqa: E402
-from wq_sql.dialects import Dialect  # noqa: E402
-from wq_sql.dialects.sqlite import FAIR_ENV  # noqa: E402
-from wq_sql.engine import make_engine, resolve_url  # noqa: E402
+from wq_sql.store.dialects import Dialect  # noqa: E402
+from wq_sql.store.dialects.sqlite import FAIR_ENV  # noqa: E402
+from wq_sql.store.engine import make_engine, resolve_url  # noqa: E402
+from wq_sql.store.hot.claim import ClaimRound  # noqa: E402
 
 QUEUE = "bench"
 VARIANTS = ("wq_sql", "raw", "raw_same", "raw_min")

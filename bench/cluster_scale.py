@@ -69,12 +69,12 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, dump, git_rev, machine, pct  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from pgbouncer import PgBouncer  # noqa: E402
 from pgcluster import PgCluster  # noqa: E402
 
 from wq_sql import QueueExhausted, WorkQueue  # noqa: E402
-from wq_sql.claim import ClaimRound  # noqa: E402
+from wq_sql.store.hot.claim import ClaimRound  # noqa: E402
 
 DB = "scale"
 SERVER_CPUS, HARNESS_CPUS = {0}, {1}  # --split-cores

@@ -62,7 +62,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CLAIM_GOALS, PG_ADMIN, git_rev, machine, median, scratch_pg  # noqa: E402
 
-from wq_sql.engine import resolve_url  # noqa: E402
+from wq_sql.store.engine import resolve_url  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 PY = sys.executable

@@ -16,7 +16,7 @@ throwaway cluster with stock settings, autovacuum on; the shared server this was
 it off, the harsh case). With ``--epochs E`` the queue has E epochs of N items, and the same is
 reported per epoch (p50, p99, duration; target: no growth from epoch to epoch).
 
-``rollover``: (1) the time to create one epoch of N items (``ops.advance_epoch``, as a worker
+``rollover``: (1) the time to create one epoch of N items (``statements.advance_epoch``, as a worker
 runs it) against the same rows inserted through the driver, same run; (2) the claim stall at the
 boundary: epoch 0 is all done but its last ``--tail`` items and epoch 1 exists; P workers
 (lease-ahead 1) drain the tail and go on into epoch 1, whose first claim makes epoch 2. Reported:
@@ -67,8 +67,8 @@ from _common import (  # noqa: E402
 )
 
 from wq_sql import QueueExhausted, WorkQueue  # noqa: E402
-from wq_sql.dialects.sqlite import FAIR_ENV  # noqa: E402
-from wq_sql.engine import resolve_url  # noqa: E402
+from wq_sql.store.dialects.sqlite import FAIR_ENV  # noqa: E402
+from wq_sql.store.engine import resolve_url  # noqa: E402
 
 QUEUE = "scale"
 
@@ -100,7 +100,7 @@ def _create_child(mode: str, url: str, n: int, out: Any) -> None:
 
 
 def _raw_create(mode: str, url: str, works: list[str]) -> None:
-    """The same rows as ``ops.create_queue``, through the driver, one transaction."""
+    """The same rows as ``statements.create_queue``, through the driver, one transaction."""
     from wq_sql.plan import epoch_order, works_digest
 
     order = epoch_order(len(works), 0, True, 7)
@@ -186,7 +186,7 @@ def cmd_create(a: argparse.Namespace) -> None:
 
 def _drain_child(url: str, i: int, la: int, full_scan_every: int, ready: Any, go: Any, out: Any) -> None:
     if full_scan_every:
-        from wq_sql.claim import ClaimRound
+        from wq_sql.store.hot.claim import ClaimRound
 
         ClaimRound.FULL_SCAN_EVERY = full_scan_every  # 1: every claim scans from the start (no floor)
     wq = WorkQueue.attach(QUEUE, url=url, worker=f"d{i}", lease_ahead=la)
@@ -378,7 +378,7 @@ def _per_epoch(rec: list[tuple[float, float, int]], epochs: int, n: int,
 
 
 def _raw_epoch(url: str, qid: int, n: int, epoch: int, seed: int) -> None:
-    """The rows ``ops.insert_epoch`` writes, through the driver in one transaction (the reference)."""
+    """The rows ``statements.insert_epoch`` writes, through the driver in one transaction (the reference)."""
     from wq_sql.plan import epoch_order
 
     order = epoch_order(n, epoch, True, seed)
@@ -406,8 +406,8 @@ def _raw_epoch(url: str, qid: int, n: int, epoch: int, seed: int) -> None:
 
 
 def _advance(url: str, qid: int, have: int) -> float:
-    """``ops.advance_epoch`` in its own transaction, as ``epochs.EpochMaker.make`` runs it."""
-    from wq_sql import ops
+    """``statements.advance_epoch`` in its own transaction, as ``epochs.EpochMaker.make`` runs it."""
+    from wq_sql.store import statements
 
     eng = sa.create_engine(resolve_url(url))
     try:
@@ -415,7 +415,7 @@ def _advance(url: str, qid: int, have: int) -> float:
         with eng.begin() as c:
             if eng.dialect.name == "sqlite":
                 c.exec_driver_sql("SELECT 1")
-            made = ops.advance_epoch(c, qid, have)
+            made = statements.advance_epoch(c, qid, have)
         dt = time.perf_counter() - t
         assert made == have + 1, made
         return dt
@@ -480,7 +480,7 @@ def cmd_rollover(a: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {"wq_sql": [], "raw": []}
         perm, ratio, prof = float("nan"), float("nan"), ""
         if a.create_time:
-            # Part 1: the time to create an epoch: ops.advance_epoch vs the same rows through the driver.
+            # Part 1: the time to create an epoch: statements.advance_epoch vs the same rows through the driver.
             t = time.perf_counter()
             WorkQueue(works, num_epochs=a.repeats + 2, shuffle=True, seed=7, name="ro_wq", url=url,
                       worker="creator").close()
@@ -522,11 +522,11 @@ def cmd_rollover(a: argparse.Namespace) -> None:
         print(f"time to create one epoch ({a.n} item rows, one transaction), medians of {a.repeats}:\n")
         print("| variant | seconds | vs raw |")
         print("|---|---|---|")
-        print(f"| wq_sql `ops.advance_epoch` | {median(times['wq_sql']):.2f} | {ratio:.2f} |")
+        print(f"| wq_sql `statements.advance_epoch` | {median(times['wq_sql']):.2f} | {ratio:.2f} |")
         print(f"| raw ({'execute_values' if pg else 'executemany'}) | {median(times['raw']):.2f} | 1.00 |")
         print(f"\nof which `plan.epoch_order` (the shuffle, in Python): {perm:.2f}s")
     if prof:
-        print("\ncProfile of one more `ops.advance_epoch` (cumulative):\n" + prof)
+        print("\ncProfile of one more `statements.advance_epoch` (cumulative):\n" + prof)
     reports = {v: _stall_report(a, *stalls[v], queue_on=v == "on", pg=pg) for v in variants}
     main_v = "on" if "on" in reports else variants[0]
     dump(a.json, {"create": times, "perm": perm, **reports[main_v], "variants": reports})

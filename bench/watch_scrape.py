@@ -27,11 +27,12 @@ from typing import Any
 import sqlalchemy as sa
 from _common import PG_ADMIN, ROOT, machine, median, pct, scratch
 
-from wq_sql import WorkQueue, ops
-from wq_sql.dashboard import Watcher
-from wq_sql.engine import make_engine
-from wq_sql.metrics import QueueCollector
-from wq_sql.models import UTCDateTime
+from wq_sql import WorkQueue
+from wq_sql.monitor.dashboard import Watcher
+from wq_sql.monitor.metrics import QueueCollector
+from wq_sql.store import statements
+from wq_sql.store.engine import make_engine
+from wq_sql.store.models import UTCDateTime
 
 WORKERS = 16
 CLAIMED = 64
@@ -54,11 +55,11 @@ def populate(url: str, n: int, done: int) -> None:
               worker="creator").close()
     print(f"  created {n} items in {time.perf_counter() - t0:.1f}s", flush=True)
     engine = make_engine(sa.engine.make_url(url), pool_size=1)
-    i, w, e, t = ops.items, ops.workers, ops.events, ops.tallies
+    i, w, e, t = statements.items, statements.workers, statements.events, statements.tallies
     now = dt.datetime.now(dt.timezone.utc)
     at = sa.literal(now, UTCDateTime())
     with engine.begin() as c:
-        qid = c.execute(sa.select(ops.queues.c.id).where(ops.queues.c.name == "big")).scalar_one()
+        qid = c.execute(sa.select(statements.queues.c.id).where(statements.queues.c.name == "big")).scalar_one()
         c.execute(sa.insert(w), [{"queue_id": qid, "name": f"worker{k:02d}", "incarnation": "x", "host": "bench",
                                   "pid": 1, "started_at": now - dt.timedelta(minutes=10), "heartbeat_at": now,
                                   "beat_seconds": 5.0} for k in range(WORKERS)])

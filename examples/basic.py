@@ -21,7 +21,8 @@ from sqlalchemy import create_engine, text
 
 import wq_sql
 from wq_sql import QueueExhausted, WorkQueue
-from wq_sql.engine import resolve_url, safe_url
+from wq_sql.store.engine import resolve_url
+from wq_sql.store.redact import safe_url
 
 QUEUE = "basic"
 

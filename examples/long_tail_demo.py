@@ -149,7 +149,7 @@ def report(url: str, speeds: dict[str, float], n_items: int, epochs: int,
            logs: dict[str, list[Any]], wall: float) -> bool:
     from sqlalchemy import create_engine, text
 
-    from wq_sql.engine import resolve_url
+    from wq_sql.store.engine import resolve_url
 
     names = list(speeds)
     n = len(names)

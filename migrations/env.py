@@ -12,7 +12,7 @@ import os
 from alembic import context
 from sqlalchemy import create_engine, make_url
 
-from wq_sql.models import Base, foreign_keys_of
+from wq_sql.store.models import Base, foreign_keys_of
 
 config = context.config
 schema = config.attributes.get("schema")

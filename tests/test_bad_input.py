@@ -26,14 +26,14 @@ from typing import Any, Optional
 
 import pytest
 import sqlalchemy as sa
-from conftest import BACKENDS, fresh_database
+from backends import BACKENDS, fresh_database
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import wq_sql
 from wq_sql import InvalidInput, QueueExhausted, WorkItem, WorkQueue, WqSqlError
 from wq_sql import cli as wq_cli
-from wq_sql.engine import resolve_url
+from wq_sql.store.engine import resolve_url
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,13 +1,13 @@
 """Chaos on PostgreSQL, short form (CI): the server restarted or crashed mid-drain, worker backends
 terminated, transactions held across items, and foreign transactions. Every test runs on a
-throwaway cluster that this module starts itself (``tests/pgcluster.py``), never on the machine's
+throwaway cluster that this module starts itself (``tests/support/pgcluster.py``), never on the machine's
 shared server. Under ``$CI`` a cluster that cannot be made fails the module; elsewhere it skips.
 
-The drains use real worker processes (``tests/worker_proc.py``) taking a 3-epoch queue, each item
+The drains use real worker processes (``tests/support/worker_proc.py``) taking a 3-epoch queue, each item
 costing ``ITEM_MS``. Afterwards (``_check_drain``):
 
 * ``wq_audit``: every ``(epoch, seq)`` of every epoch is ``done``, nothing else.
-* The history, one row per delivery, replayed per item (``tests/deliveries.py``, which also
+* The history, one row per delivery, replayed per item (``tests/support/deliveries.py``, which also
   checks that an item's deliveries never overlap, that the ``done`` is its holder's, and that
   ``wq_history`` shows one ``claim`` per delivery): every delivery ends either in ``done`` or is
   *abandoned* (an ``expire``: nobody releases, fails or restarts an identity here); exactly one
@@ -45,7 +45,8 @@ from typing import Any, Callable, Optional
 import pytest
 import sqlalchemy as sa
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # pgcluster, worker_proc when run as a script
+# pgcluster, worker_proc when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from deliveries import replay  # noqa: E402
 from pgcluster import PgCluster, PgClusterError  # noqa: E402
 from worker_proc import Proc, make_works, query  # noqa: E402
@@ -339,7 +340,7 @@ def test_foreign_row_lock_and_old_snapshot(url: str) -> None:
     once the lock holder commits, the next take hands out (0, 5), then ``QueueExhausted``, and
     every item is done exactly once."""
     from wq_sql import QueueEmpty, QueueExhausted, WorkQueue
-    from wq_sql.engine import make_engine, resolve_url
+    from wq_sql.store.engine import make_engine, resolve_url
 
     n = 200
     # A claim blocked by a lock fails after 5 s (QueryCanceled) instead of the default 60 s.
@@ -391,7 +392,7 @@ def test_a_foreign_lock_on_the_queue_row_blocks_only_joining_and_a_first_acknowl
     acknowledgement (its counter row for the epoch is inserted) waits, and fails after
     ``statement_timeout``; once the lock goes, it goes through, and nothing is lost."""
     from wq_sql import QueueExhausted, WorkQueue
-    from wq_sql.engine import make_engine, resolve_url
+    from wq_sql.store.engine import make_engine, resolve_url
 
     n = 40
     engines = [make_engine(resolve_url(url), statement_timeout=2.0) for _ in range(2)]

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import ROOT
+from backends import ROOT
 
 from wq_sql import QueueExhausted, WorkQueue
-from wq_sql.claim import ClaimRound
-from wq_sql.engine import resolve_url
+from wq_sql.store.engine import resolve_url
+from wq_sql.store.hot.claim import ClaimRound
 
 
 def states(url: str) -> collections.Counter[str]:

@@ -8,14 +8,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import backends
 import pytest
 import sqlalchemy as sa
-from conftest import _pg_url, drop_pg_database, new_pg_database, table_rows
+from backends import drop_pg_database, new_pg_database, table_rows
 
-from wq_sql import WorkQueue, ops
-from wq_sql.claim import ClaimRound
-from wq_sql.dialects import Dialect
-from wq_sql.engine import driver_statement, driver_transaction, make_engine, resolve_url
+from wq_sql import WorkQueue
+from wq_sql.store import statements
+from wq_sql.store.dialects import Dialect
+from wq_sql.store.driver import driver_statement, driver_transaction
+from wq_sql.store.engine import make_engine, resolve_url
+from wq_sql.store.hot.claim import ClaimRound, claim_round_text
 
 WORKS = [f"w{i}" for i in range(7)]
 
@@ -24,7 +27,7 @@ WORKS = [f"w{i}" for i in range(7)]
 def pg_url(request: pytest.FixtureRequest) -> Iterator[str]:
     name = new_pg_database(request.getfixturevalue("pg_template"))
     try:
-        yield _pg_url(name)
+        yield backends.pg_url(name)
     finally:
         drop_pg_database(name)
 
@@ -125,7 +128,7 @@ def _gone_back_below(url: str) -> list[list[tuple[int, int]]]:
         c = run(first, a)
         e = run(first, c)
         with engine.begin() as conn:  # the second claimer gives its first item back
-            assert ops.release(conn, d, qid, wid, [(b[0].id, b[0].token)]) == {b[0].id}
+            assert statements.release(conn, d, qid, wid, [(b[0].id, b[0].token)]) == {b[0].id}
         f = run(first, e)  # nothing at or above where the first one's claims start: below
         g = run(first, f)
         return [[(x.epoch, x.seq) for x in got] for got in (a, b, c, e, f, g)]
@@ -159,3 +162,26 @@ def test_warming_the_postgres_round_reads_and_writes_nothing(tmp_path: Path, pg_
         finally:
             engine.dispose()
     ClaimRound(Dialect("sqlite"), 3, lease_seconds=60).warm(None, "")  # SQLite: nothing, no connection used
+
+
+def test_the_migrated_claim_round_is_the_text_of_claim_round_sql(pg_url: str) -> None:
+    """``store/hot/claim_round.sql`` is the function ``upgrade head`` leaves (migrations 0007 and
+    0008 stay frozen): the same definition, compared as Postgres prints both
+    (``pg_get_functiondef``), the file's text created in an empty database."""
+    blank = new_pg_database(None)
+    try:
+        defs = []
+        for url, create in ((pg_url, False), (backends.pg_url(blank), True)):
+            engine = sa.create_engine(url)
+            try:
+                with engine.begin() as c:
+                    if create:
+                        c.exec_driver_sql(claim_round_text("").replace("%", "%%"))
+                    defs.append(c.execute(sa.text(
+                        "SELECT pg_get_functiondef('wq_claim_round'::regproc)")).scalar_one())
+            finally:
+                engine.dispose()
+    finally:
+        drop_pg_database(blank)
+    assert defs[0] == defs[1]
+    assert "v_now" in defs[0]  # 0008's change is in it

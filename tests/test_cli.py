@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from wq_sql.engine import resolve_url
+from wq_sql.store.engine import resolve_url
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-Pw"
@@ -160,8 +160,8 @@ def at_revision(url: str, rev: str, schema: str | None = None) -> None:
     """Build the wq_sql schema of an older revision, as an older wq_sql left it."""
     from alembic import command
 
-    from wq_sql import migrate
-    from wq_sql.engine import make_engine
+    from wq_sql.store import migrate
+    from wq_sql.store.engine import make_engine
 
     engine = make_engine(resolve_url(url), schema=schema)  # its search path puts the tables in schema
     try:
@@ -205,7 +205,8 @@ def statements(script: str) -> list[str]:
 @pytest.mark.parametrize("schema", [None, "team_a"])
 def test_upgrade_sql_from_an_older_revision_applies_cleanly(empty_db_url: str, backend: str, tmp_path: Path,
                                                             schema: str | None) -> None:
-    from wq_sql import WorkQueue, migrate
+    from wq_sql import WorkQueue
+    from wq_sql.store import migrate
 
     if schema and backend == "sqlite":
         pytest.skip("schemas are PostgreSQL's")
@@ -593,7 +594,7 @@ def test_report_png_and_missing_matplotlib(db_url: str, tmp_path: Path, capsys: 
 def test_timeline_pairs_each_delivery_with_what_ended_it() -> None:
     import datetime as dt
 
-    from wq_sql.report import Event, pair_deliveries
+    from wq_sql.monitor.report import Event, pair_deliveries
 
     t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     kinds = [(1, "claim", "a"), (2, "claim", "b"), (1, "recover", "a"), (2, "expire", "b"), (2, "claim", "c"),

@@ -159,7 +159,7 @@ wq.close()
 
 
 def test_requeue_failed_lets_the_queue_finish(db_url: str, tmp_path: Path) -> None:
-    from conftest import run_py
+    from backends import run_py
 
     out = run_py(FAILING_WORKER, db_url, "alice", "w2", "w5").stdout
     assert "EXHAUSTED 6 2" in out  # two attempts each, then failed

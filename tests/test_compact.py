@@ -5,11 +5,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 import wq_sql
+import wq_sql.store.engine
 from wq_sql import WorkQueue
 
 
 def _counts(url: str) -> dict[tuple[int, str], int]:
-    engine = sa.create_engine(wq_sql.engine.resolve_url(url))
+    engine = sa.create_engine(wq_sql.store.engine.resolve_url(url))
     with engine.connect() as c:
         rows = c.execute(sa.text("SELECT epoch, state, count(*) FROM wq_audit GROUP BY epoch, state")).all()
     engine.dispose()

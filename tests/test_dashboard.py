@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,9 +20,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import is_pg  # noqa: E402
+from backends import is_pg  # noqa: E402
 from watch_support import (  # noqa: E402
     create_queue,
     database_away,

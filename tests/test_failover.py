@@ -40,7 +40,6 @@ from typing import Any, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from pgcluster import PgCluster  # noqa: E402
 from test_chaos_pg import (  # noqa: E402  (the chaos drain and its checks, reused)
@@ -88,7 +87,8 @@ def _multihost(url: str, *first: int) -> str:
 ])
 def test_multihost_url_reaches_the_driver(given: str, host: str, port: Optional[str],
                                           extra: dict[str, str]) -> None:
-    from wq_sql.engine import make_engine, resolve_url, safe_url
+    from wq_sql.store.engine import make_engine, resolve_url
+    from wq_sql.store.redact import safe_url
 
     url = resolve_url(given)
     engine = make_engine(url)
@@ -107,8 +107,8 @@ def test_multihost_url_reaches_the_driver(given: str, host: str, port: Optional[
     ("postgresql://u@h1,h2/db?host=h3", "drop host= and port="),
 ])
 def test_multihost_url_mistakes_are_named(given: str, says: str) -> None:
-    from wq_sql.engine import resolve_url
     from wq_sql.errors import InvalidInput
+    from wq_sql.store.engine import resolve_url
 
     with pytest.raises(InvalidInput, match=says.replace("?", r"\?")):
         resolve_url(given)
@@ -137,7 +137,7 @@ def test_first_transaction_whose_connection_is_cut_is_retried(db_url: str, backe
     import sqlalchemy as sa
 
     from wq_sql import WorkQueue
-    from wq_sql.engine import make_engine, resolve_url
+    from wq_sql.store.engine import make_engine, resolve_url
 
     engine = make_engine(resolve_url(db_url), pool_size=3)
     cut: list[int] = []
@@ -365,7 +365,7 @@ def _until_written(url: str, timeout: float) -> dt.datetime:
     inserted into ``failover_probe``: its commit waits for the synchronous standby)."""
     import sqlalchemy as sa
 
-    from wq_sql.engine import resolve_url
+    from wq_sql.store.engine import resolve_url
 
     engine = sa.create_engine(resolve_url(url), poolclass=sa.pool.NullPool)
     deadline = time.monotonic() + timeout

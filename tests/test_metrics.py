@@ -5,7 +5,6 @@ SIGSTOP for each comparison, so nothing changes between the scrape and the count
 from __future__ import annotations
 
 import datetime as dt
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -14,8 +13,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from watch_support import (  # noqa: E402
     create_queue,
     database_away,

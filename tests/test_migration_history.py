@@ -24,8 +24,10 @@ import sqlalchemy as sa
 from alembic import command
 from sqlalchemy.pool import NullPool
 
-from wq_sql import WorkQueue, migrate, report
-from wq_sql.engine import resolve_url
+from wq_sql import WorkQueue
+from wq_sql.monitor import report
+from wq_sql.store import migrate
+from wq_sql.store.engine import resolve_url
 
 pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 

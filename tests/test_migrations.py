@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from conftest import table_rows
+from backends import table_rows
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
@@ -33,12 +33,12 @@ from wq_sql import (
     SchemaOutdated,
     UnsafeDatabase,
     WorkQueue,
-    migrate,
-    report,
 )
-from wq_sql.dialects import sqlite as sqlite_dialect
-from wq_sql.engine import resolve_url
-from wq_sql.models import SQLITE_ONLY_FOREIGN_KEYS, VIEWS, Base, create_view_sql, foreign_keys_of
+from wq_sql.monitor import report
+from wq_sql.store import migrate
+from wq_sql.store.dialects import sqlite as sqlite_dialect
+from wq_sql.store.engine import resolve_url
+from wq_sql.store.models import SQLITE_ONLY_FOREIGN_KEYS, VIEWS, Base, create_view_sql, foreign_keys_of
 
 WORKS = ["a", "b", "c", "d"]
 pg_only = pytest.mark.parametrize("backend", ["postgresql"])
@@ -75,7 +75,7 @@ def drain(wq: WorkQueue) -> list[str]:
 @pytest.fixture
 def other_empty_db_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A second database without the wq_sql schema."""
-    from conftest import fresh_database
+    from backends import fresh_database
 
     yield from fresh_database(backend, tmp_path, request, "other", migrated=False)
 
@@ -379,7 +379,7 @@ def make_role() -> Iterator[Callable[..., str]]:
     """``make_role(db_url, dml=True)``: a login role on that database, with only SELECT, INSERT,
     UPDATE, DELETE on the tables and USAGE on the sequences of ``public`` when ``dml``; returns
     a URL that connects as it. Dropped (with its grants) after the test."""
-    from conftest import PG_ADMIN_URL
+    from backends import PG_ADMIN_URL
 
     made: list[tuple[str, str]] = []
 

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -24,15 +23,13 @@ from typing import Any, Callable, Optional
 
 import pytest
 import sqlalchemy as sa
+from pgcluster import PgCluster, PgClusterError  # noqa: E402
 from sqlalchemy.engine import make_url
 
 import wq_sql
 from wq_sql import DatabaseUnavailable, InvalidInput, WorkQueue, WqSqlError
 from wq_sql import cli as wq_cli
 from wq_sql.admin import create_queue
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pgcluster import PgCluster, PgClusterError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "S3cr3tPw"
@@ -216,7 +213,7 @@ def test_cli_sqlite_open_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_mask_secrets_hides_passwords_by_structure_only() -> None:
-    from wq_sql.engine import mask_secrets
+    from wq_sql.store.redact import mask_secrets
 
     hidden = {
         "postgresql+psycopg2://postgres:postgres@127.0.0.1:5433/db":
@@ -240,7 +237,7 @@ def test_mask_secrets_hides_passwords_by_structure_only() -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[PgCluster]:
-    """A throwaway server (tests/pgcluster.py) that this module may stop, and whose role
+    """A throwaway server (tests/support/pgcluster.py) that this module may stop, and whose role
     ``wq_pw`` must give its password (the shared test server trusts every local connection)."""
     pg: Optional[PgCluster] = None
     try:

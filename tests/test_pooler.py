@@ -16,11 +16,11 @@ from typing import Any
 import psycopg2
 import pytest
 import sqlalchemy as sa
-from conftest import bouncer_url, drop_pg_database, new_pg_database
+from backends import bouncer_url, drop_pg_database, new_pg_database
 
 from wq_sql import WorkQueue
-from wq_sql.engine import driver_statement, driver_transaction, make_engine, resolve_url
-from wq_sql.pooling import last_rows
+from wq_sql.store.driver import driver_statement, driver_transaction, last_rows
+from wq_sql.store.engine import make_engine, resolve_url
 
 
 @pytest.fixture
@@ -169,9 +169,9 @@ def test_startup_options_still_work_directly(pg_template: str) -> None:
     sends no per-transaction statement."""
     name = new_pg_database(pg_template)
     try:
-        from conftest import _pg_url
+        from backends import pg_url
 
-        engine = make_engine(resolve_url(_pg_url(name)), statement_timeout=9.0, startup_options=True)
+        engine = make_engine(resolve_url(pg_url(name)), statement_timeout=9.0, startup_options=True)
         sent: list[str] = []
         sa.event.listen(engine, "before_cursor_execute", lambda *a: sent.append(a[2]))
         try:

@@ -28,7 +28,7 @@ import wq_sql
 from wq_sql import QueueConfigMismatch, QueueExhausted, QueueNotFound, WorkQueue, WqSqlError
 from wq_sql import cli as wq_cli
 from wq_sql.admin import create_queue
-from wq_sql.engine import make_engine, resolve_url
+from wq_sql.store.engine import make_engine, resolve_url
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = "S3cr3tPw"

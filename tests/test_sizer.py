@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from wq_sql import WorkQueue
-from wq_sql.claim import ClaimRound
-from wq_sql.pacer import AHEAD_SECONDS, AUTO_MAX, TAIL, Sizer
+from wq_sql.store.hot.claim import ClaimRound
+from wq_sql.worker.sizing import AHEAD_SECONDS, AUTO_MAX, TAIL, Sizer
 
 
 def feed(s: Sizer, per_item: float, rounds: int, t: float = 0.0, n: int = 1) -> float:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import DBAPIError
 
-from wq_sql.db import Db
-from wq_sql.engine import make_engine, resolve_url
+from wq_sql.store.db import Db
+from wq_sql.store.engine import make_engine, resolve_url
 
 
 @pytest.fixture
@@ -165,8 +165,8 @@ def test_a_connection_from_another_process_is_closed_not_used(db: Db) -> None:
 
 _FORK = r"""
 import os, sys
-from wq_sql.db import Db
-from wq_sql.engine import make_engine, resolve_url
+from wq_sql.store.db import Db
+from wq_sql.store.engine import make_engine, resolve_url
 url = resolve_url(sys.argv[1])
 db = Db(make_engine(url), url, busy_timeout=5.0, label="fork")
 db.driver_tx(lambda c: c.execute("CREATE TABLE t (who TEXT, conn INTEGER)"))

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from wq_sql import DatabaseBusy, WorkQueue, lease
+from wq_sql import DatabaseBusy, WorkQueue
+from wq_sql.worker import heartbeat
 
 
 def _wal_frames(db: Path) -> int:
@@ -28,7 +29,7 @@ def test_claims_do_not_checkpoint_the_heartbeat_does(tmp_path: Path,
     db = tmp_path / "q.db"
     # The heartbeat thread wakes (and checkpoints) only at its beat, 5 s after the start, so the
     # claims below run with no checkpoint beside them however slow the machine is.
-    monkeypatch.setattr(lease, "CHECKPOINT_SECONDS", 3600.0)
+    monkeypatch.setattr(heartbeat, "CHECKPOINT_SECONDS", 3600.0)
     # No refill thread: every commit is the test's own, so the WAL's size is the test's to bound.
     with WorkQueue([f"w{i}" for i in range(3000)], url=f"sqlite:///{db}", lease_ahead=8,
                    heartbeat_seconds=5, claim_ahead=False) as wq:

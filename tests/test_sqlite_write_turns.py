@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.sql import compiler
 
-import wq_sql.db
+import wq_sql.store.db
 from wq_sql import WorkQueue
 
 OPTS: dict[str, Any] = dict(auto_complete=False, lease_ahead=4, claim_ahead=False, lease_seconds=300,
@@ -70,7 +70,7 @@ def compiled_in_turn(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """The statements SQLAlchemy compiles while a write transaction holds its turn."""
     held: list[bool] = []
     seen: list[str] = []
-    enter, leave = wq_sql.db._Held.__enter__, wq_sql.db._Held.__exit__
+    enter, leave = wq_sql.store.db._Held.__enter__, wq_sql.store.db._Held.__exit__
     init = compiler.SQLCompiler.__init__
 
     def counting_init(self: Any, dialect: Any, statement: Any, *args: Any, **kwargs: Any) -> None:
@@ -87,8 +87,8 @@ def compiled_in_turn(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return leave(self, *exc)
 
     monkeypatch.setattr(compiler.SQLCompiler, "__init__", counting_init)
-    monkeypatch.setattr(wq_sql.db._Held, "__enter__", held_enter)
-    monkeypatch.setattr(wq_sql.db._Held, "__exit__", held_exit)
+    monkeypatch.setattr(wq_sql.store.db._Held, "__enter__", held_enter)
+    monkeypatch.setattr(wq_sql.store.db._Held, "__exit__", held_exit)
     yield seen
 
 

@@ -23,8 +23,8 @@ import pytest
 from sqlalchemy.engine import make_url
 from worker_proc import ROOT
 
-from wq_sql.dialects import Dialect
-from wq_sql.dialects.sqlite import FAIR_ENV, TURNS_SUFFIX, WriterQueue, writer_queue
+from wq_sql.store.dialects import Dialect
+from wq_sql.store.dialects.sqlite import FAIR_ENV, TURNS_SUFFIX, WriterQueue, writer_queue
 
 # One writer process. Commands on stdin, one a line:
 #   hold TAG     a write transaction (Db.tx) that inserts TAG, prints HOLDING and waits for a line
@@ -34,8 +34,8 @@ from wq_sql.dialects.sqlite import FAIR_ENV, TURNS_SUFFIX, WriterQueue, writer_q
 # and prints one line when each is done (HELD, WROTE TAG, READ n, HAMMERED).
 WRITER = r"""
 import sys, time
-from wq_sql.db import LOCK_SLICE, Db
-from wq_sql.engine import make_engine, resolve_url
+from wq_sql.store.db import LOCK_SLICE, Db
+from wq_sql.store.engine import make_engine, resolve_url
 
 url = resolve_url(sys.argv[1])
 db = Db(make_engine(url, lock_slice=LOCK_SLICE, autocheckpoint=False), url, busy_timeout=60.0, label="t")
@@ -296,8 +296,8 @@ def test_a_lock_file_that_cannot_be_made_falls_back_with_one_warning(
         db_file: Path, writers: list[Writer], caplog: pytest.LogCaptureFixture) -> None:
     """A folder where the lock file should be (the case of a read-only folder, which root
     ignores): the writes go on, in SQLite's busy handler, and one WARNING says why."""
-    from wq_sql.db import LOCK_SLICE, Db
-    from wq_sql.engine import make_engine, resolve_url
+    from wq_sql.store.db import LOCK_SLICE, Db
+    from wq_sql.store.engine import make_engine, resolve_url
 
     INSERT = "INSERT INTO turns (tag, asked) VALUES (?, 0)"
     Path(f"{db_file}{TURNS_SUFFIX}").mkdir()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from wq_sql.migrate import head_revision
+from wq_sql.store.migrate import head_revision
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,12 @@ def test_wheel_ships_the_migrations_inside_the_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "wq_sql/_migrations/env.py" in names
     assert "wq_sql/_migrations/script.py.mako" in names
-    assert "wq_sql/dashboard.html" in names  # the page `wq-sql dashboard` serves
+    assert "wq_sql/monitor/dashboard.html" in names  # the page `wq-sql dashboard` serves
+    # Every module of the checkout's package folders (a folder missing from pyproject's list
+    # would install without its modules).
+    missing = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "wq_sql").rglob("*.py")
+                     if str(f.relative_to(ROOT)) not in names)
+    assert not missing, missing
     versions = [n for n in names if n.startswith("wq_sql/_migrations/versions/")
                 and n.endswith(".py") and not n.endswith("__init__.py")]
     assert versions, names
@@ -106,7 +111,7 @@ def test_installed_wheel_runs_a_queue_outside_the_checkout(
         import os, sys
         import wq_sql
         from wq_sql import WorkQueue
-        from wq_sql.migrate import migrations_dir
+        from wq_sql.store.migrate import migrations_dir
         assert "tensorflow" not in sys.modules
         print("FILE", wq_sql.__file__)
         print("MIGRATIONS", migrations_dir())

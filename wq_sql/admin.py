@@ -8,11 +8,7 @@ from typing import Any, Optional
 
 from sqlalchemy.engine import URL
 
-from wq_sql import bell, migrate, ops
-from wq_sql.dialects import dialect_of
-from wq_sql.engine import make_engine, opening, resolve_url
 from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
-from wq_sql.mismatch import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 from wq_sql.plan import (
     QueueSpec,
     Work,
@@ -27,6 +23,10 @@ from wq_sql.plan import (
     normalize_works,
 )
 from wq_sql.sources import plan_items
+from wq_sql.store import migrate, notify, statements
+from wq_sql.store.dialects import dialect_of
+from wq_sql.store.engine import make_engine, opening, resolve_url
+from wq_sql.worker.joining import DEFAULT_MAX_ATTEMPTS, differences, extend_to
 
 
 def _engine(url: Optional[str | URL], schema: Optional[str]) -> Any:
@@ -53,7 +53,7 @@ def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str],
         with opening(engine.url):
             migrate.ensure_schema(engine, schema)
             with engine.begin() as conn:
-                row = ops.find_queue(conn, name)
+                row = statements.find_queue(conn, name)
                 if row is None and must_exist:
                     raise QueueNotFound(f"no queue named {name!r}")
                 yield conn, row
@@ -104,19 +104,19 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
         with opening(engine.url):
             migrate.ensure_schema(engine, schema)
             with engine.connect() as conn:
-                exists = ops.find_queue(conn.execution_options(wq_read=True), name) is not None
+                exists = statements.find_queue(conn.execution_options(wq_read=True), name) is not None
         # Counting sliced works reads their sources: outside the short transaction that inserts
         # (and outside opening(): a source may be in another database).
         items = None if exists else plan_items(spec.works, spec.num_slices, engine, spec.prefix)
         with opening(engine.url), engine.begin() as conn:
-            row = ops.find_queue(conn, name)
+            row = statements.find_queue(conn, name)
             created = False
             if row is None and items is not None:
-                qid = ops.create_queue(conn, b, name, spec, items,
+                qid = statements.create_queue(conn, b, name, spec, items,
                                        spec.seed if spec.seed is not None else new_seed(),
                                        DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
                 created = qid is not None
-                row = ops.find_queue(conn, name)
+                row = statements.find_queue(conn, name)
             if row is None:
                 raise QueueNotFound(f"queue {name!r} was dropped while it was being created; try again")
             diffs = differences(conn, row, spec, max_attempts)
@@ -134,10 +134,10 @@ def extend_queue(name: str, num_epochs: int, url: Optional[str | URL] = None,
     made as the workers reach them. Example: ``extend_queue("train", 5, url="sqlite:///q.db")``."""
     check_num_epochs(num_epochs)
     with _queue_tx(name, url, schema) as (conn, row):
-        if num_epochs < row.num_epochs or not ops.extend_epochs(conn, row.id, num_epochs):
+        if num_epochs < row.num_epochs or not statements.extend_epochs(conn, row.id, num_epochs):
             raise InvalidInput(f"queue {name!r} has {row.num_epochs} epochs and num_epochs can only grow; "
                                f"give at least {row.num_epochs}")
-    bell.ring(conn.engine, row.id)  # workers waiting at the old end see the new epochs now
+    notify.ring(conn.engine, row.id)  # workers waiting at the old end see the new epochs now
     conn.engine.dispose()  # _queue_tx disposed it before; the ring may have connected again
     return row.num_epochs, num_epochs
 
@@ -147,7 +147,7 @@ def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str
 
     Stop its workers first: items they hold are forgotten."""
     with _queue_tx(name, url, schema) as (conn, row):
-        ops.reset_queue(conn, row.id, row.n_works, row.shuffle, row.seed)
+        statements.reset_queue(conn, row.id, row.n_works, row.shuffle, row.seed)
 
 
 def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> bool:
@@ -155,7 +155,7 @@ def drop_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str]
     with _queue_tx(name, url, schema, must_exist=False) as (conn, row):
         if row is None:
             return False
-        ops.drop_queue(conn, row.id)
+        statements.drop_queue(conn, row.id)
         return True
 
 
@@ -167,8 +167,8 @@ def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -
             migrate.ensure_schema(engine, schema)
         with opening(engine.url), engine.connect() as conn:
             out = []
-            for row in ops.all_queues(conn):
-                done, failed = ops.progress(conn, row.id)
+            for row in statements.all_queues(conn):
+                done, failed = statements.progress(conn, row.id)
                 out.append({
                     "name": row.name, "items_per_epoch": row.n_works, "num_epochs": row.num_epochs,
                     "shuffle": row.shuffle, "seed": row.seed, "num_slices": row.num_slices,
@@ -187,5 +187,6 @@ def compact_queue(name: str, url: Optional[str | URL] = None, schema: Optional[s
     kept; ``wq_tallies`` keeps per-epoch, per-worker counts; progress and ``QueueExhausted`` read
     only the counters, so they are unaffected. Returns the number of item rows deleted."""
     with _queue_tx(name, url, schema) as (conn, row):
-        epochs = [e for e in ops.finished_epochs(conn, row.id, row.n_works) if e < row.epochs_created - 1]
-        return ops.compact(conn, row.id, epochs, keep_events)
+        epochs = [e for e in statements.finished_epochs(conn, row.id, row.n_works)
+                  if e < row.epochs_created - 1]
+        return statements.compact(conn, row.id, epochs, keep_events)

@@ -67,13 +67,16 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from wq_sql import admin, bell, migrate, ops, report
-from wq_sql.dialects import Dialect, dialect_of, sqlite_file
-from wq_sql.engine import first_line as _first_line
-from wq_sql.engine import make_engine, mask_secrets, opening, resolve_url, safe_url
+from wq_sql import admin
 from wq_sql.errors import DatabaseUnavailable, QueueNotFound, SchemaOutdated, WqSqlError
+from wq_sql.monitor import report
 from wq_sql.sources import source_for
 from wq_sql.states import CLAIMED, DONE, FAILED
+from wq_sql.store import migrate, notify, statements
+from wq_sql.store.dialects import Dialect, dialect_of, sqlite_file
+from wq_sql.store.engine import first_line as _first_line
+from wq_sql.store.engine import make_engine, opening, resolve_url
+from wq_sql.store.redact import mask_secrets, safe_url
 
 T = TypeVar("T")
 PROG = "wq-sql"
@@ -148,7 +151,7 @@ def _require_head(url: URL, schema: Optional[str], rev: Optional[str]) -> None:
 
 
 def _find_queue(conn: Connection, url: URL, name: str) -> Any:
-    row = ops.find_queue(conn, name)
+    row = statements.find_queue(conn, name)
     if row is None:
         raise QueueNotFound(f"no queue named {name!r} in {safe_url(url)}; `python -m wq_sql ls` lists "
                             "the queues")
@@ -573,7 +576,7 @@ def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
     live = [r for r in workers if r.heartbeat_at is not None]
     left = len(workers) - len(live)
     stale = [r for r in live if r.beat_seconds is not None
-             and (now - r.heartbeat_at).total_seconds() > ops.STALE_BEATS * r.beat_seconds]
+             and (now - r.heartbeat_at).total_seconds() > statements.STALE_BEATS * r.beat_seconds]
     if live:
         # DONE/MIN: the worker's items done in the last minute.
         out.append("workers (BUFFERED: claimed, not yet handed out, as of the last heartbeat; "
@@ -589,7 +592,8 @@ def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
         out.append("no live workers")
     if stale:
         names = ", ".join(repr(r.name) for r in stale)
-        out.append(f"STALE: {names} stopped heartbeating ({ops.STALE_BEATS} heartbeat periods missed); "
+        out.append(f"STALE: {names} stopped heartbeating ({statements.STALE_BEATS} heartbeat periods "
+                   "missed); "
                    "a live worker of the queue returns their items within about one heartbeat period, "
                    "or now: "
                    f"wq-sql requeue {shlex.quote(q.name)} --worker {shlex.quote(stale[0].name)}")
@@ -721,7 +725,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         qid = q.id
         wid = None
         if args.worker is not None:
-            w = ops.find_worker(conn, q.id, args.worker, lock=False)
+            w = statements.find_worker(conn, q.id, args.worker, lock=False)
             if w is None:
                 raise CliError(f"queue {args.name!r} has no worker named {args.worker!r}; "
                                f"`python -m wq_sql status {args.name}` lists them")
@@ -730,7 +734,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
                 warning = (f"warning: worker {args.worker!r} heartbeated "
                            f"{_ago(_db_now(conn, b), w.heartbeat_at)}; if it is alive, its acks of "
                            "these items are rejected (LeaseLost) and another worker does them again")
-        return ops.requeue(conn, b, q.id, from_state, epoch=args.epoch, worker_id=wid,
+        return statements.requeue(conn, b, q.id, from_state, epoch=args.epoch, worker_id=wid,
                            lease_expired=args.expired, detail=f"wq-sql requeue: was {what}")
 
     try:
@@ -738,7 +742,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
         with engine.begin() as conn:
             rows = run(conn)
         if rows and qid is not None:
-            bell.ring(engine, qid)  # workers waiting for these items claim them now
+            notify.ring(engine, qid)  # workers waiting for these items claim them now
     finally:
         engine.dispose()
     if warning:
@@ -797,7 +801,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     _check_window(args)
     if args.top_k < 0:
         raise CliError(f"--top-k must be 0 or more, got {args.top_k}")
-    from wq_sql import metrics
+    from wq_sql.monitor import metrics
 
     url = _url(args)
     with _checked_engine(args, url) as engine:
@@ -811,7 +815,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     _check_window(args)
     if not math.isfinite(args.minutes) or args.minutes <= 0:
         raise CliError(f"--minutes must be a positive number, got {args.minutes}")
-    from wq_sql import dashboard
+    from wq_sql.monitor import dashboard
 
     url = _url(args)
     with _checked_engine(args, url) as engine:
@@ -825,8 +829,8 @@ def cmd_reset(args: argparse.Namespace) -> int:
     url = _url(args)
     def read(conn: Connection) -> tuple[Any, int, int, int]:
         q = _find_queue(conn, url, args.name)
-        done, failed = ops.progress(conn, q.id)
-        live = ops.live_workers(conn, q.id)
+        done, failed = statements.progress(conn, q.id)
+        live = statements.live_workers(conn, q.id)
         return q, done, failed, live
 
     with _checked_engine(args, url) as engine:

@@ -17,21 +17,7 @@ from typing import Any, Callable, Optional
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from wq_sql import ops, registry
-from wq_sql.claim import ClaimRound
-from wq_sql.db import LOCK_SLICE, Db
-from wq_sql.endings import Endings, Handout
-from wq_sql.engine import keep_for_children, resolve_url, safe_url, worker_engine
-from wq_sql.epochs import EpochMaker, Order
 from wq_sql.errors import InvalidInput, QueueExhausted
-from wq_sql.handout import Dispenser, Extent, Rules
-from wq_sql.holdings import Holdings, WorkItem
-from wq_sql.identity import check_worker_name, default_worker_name
-from wq_sql.join import open_queue
-from wq_sql.lease import Heartbeat, Terms, register
-from wq_sql.look import Look
-from wq_sql.migrate import ensure_schema
-from wq_sql.pacer import AUTO_MAX
 from wq_sql.plan import (
     Part,
     QueueSpec,
@@ -45,9 +31,25 @@ from wq_sql.plan import (
     check_seed,
     normalize_works,
 )
-from wq_sql.renewal import Renewal
 from wq_sql.sources import read_slice
-from wq_sql.weak import weak_method
+from wq_sql.store import statements
+from wq_sql.store.db import LOCK_SLICE, Db
+from wq_sql.store.engine import keep_for_children, resolve_url, worker_engine
+from wq_sql.store.hot.claim import ClaimRound
+from wq_sql.store.hot.poll import Look
+from wq_sql.store.hot.renew import Renewal
+from wq_sql.store.migrate import ensure_schema
+from wq_sql.store.redact import safe_url
+from wq_sql.worker import process
+from wq_sql.worker.book import Holdings, WorkItem
+from wq_sql.worker.dispenser import Dispenser, Extent, Rules
+from wq_sql.worker.epochs import EpochMaker, Order
+from wq_sql.worker.heartbeat import Heartbeat, Terms, register
+from wq_sql.worker.identity import check_worker_name, default_worker_name
+from wq_sql.worker.joining import open_queue
+from wq_sql.worker.outcomes import Endings, Handout
+from wq_sql.worker.process import weak_method
+from wq_sql.worker.sizing import AUTO_MAX
 
 __all__ = ["Progress", "WorkItem", "WorkQueue", "handed_out_by", "prepare_children"]
 
@@ -115,7 +117,7 @@ class WorkQueue:
     - ``lease_ahead=None``: items claimed per round trip, kept in a local buffer until taken.
       ``None`` sizes it from this worker's own time per item (the time between hand-outs
       outside ``take()``): the items of one round cover about 0.1 s of its work, from 1 (steps
-      of 0.1 s or more) to 512 (items used in microseconds); see :class:`wq_sql.pacer.Sizer`.
+      of 0.1 s or more) to 512 (items used in microseconds); see :class:`wq_sql.worker.sizing.Sizer`.
       :attr:`lease_ahead` reads the size in force.
     - ``max_attempts=None``: failed deliveries (``fail()``, an expired lease, a crash) after
       which an item is ``failed``; ``None`` means the stored value when joining, 3 when creating.
@@ -133,10 +135,10 @@ class WorkQueue:
       driver's error).
     - ``schema``: the PostgreSQL schema that holds the tables (teams sharing one database).
     - ``engine``: an SQLAlchemy engine of your own instead of one made from ``url`` (not needed
-      behind PgBouncer: a plain URL works in transaction mode, see ``wq_sql.pooling``).
+      behind PgBouncer: a plain URL works in transaction mode, see ``wq_sql.store.dialects.postgresql``).
     - ``claim_ahead=True``: once the buffer is empty, claim the next round in a background
       thread shortly before this worker is expected to take it (by its own pace), so ``take()``
-      rarely waits for the database (see :mod:`wq_sql.pacer`). ``False``: ``take()`` claims
+      rarely waits for the database (see :mod:`wq_sql.worker.refill`). ``False``: ``take()`` claims
       itself when the buffer is empty, nothing is claimed behind the caller's back.
     - ``run=(run_id, restart)``: the job run this worker belongs to and its restart count; a worker
       of a later restart returns the earlier restarts' items at once (``wq_sql.torch`` passes
@@ -171,7 +173,7 @@ class WorkQueue:
         own = engine or worker_engine(url_, **_engine_options(schema, o.busy_timeout))
         # After an outage, expire nothing until the others could renew (a few heartbeats).
         self._db = db = Db(own, url_, busy_timeout=o.busy_timeout, label=self.name,
-                           quiet_seconds=ops.STALE_BEATS * o.heartbeat_seconds,
+                           quiet_seconds=statements.STALE_BEATS * o.heartbeat_seconds,
                            stall_seconds=o.heartbeat_seconds)
         try:
             db.retrying(lambda: ensure_schema(own, schema))
@@ -190,7 +192,7 @@ class WorkQueue:
                                 Look(db.dialect, schema), epochs, self._extent, rules)
             self._endings = Endings(db, self._qid, self._d, schema)
             self._start(recovered)
-            registry.add(self, self._d.fresh_locks)
+            process.add(self, self._d.fresh_locks)
         except BaseException:
             if engine is None:
                 db.close()
@@ -260,14 +262,15 @@ class WorkQueue:
         o = self._opts
         return Terms(o.lease_seconds, o.heartbeat_seconds, o.max_item_seconds, self._row.max_attempts, o.run)
 
-    def _start(self, recovered: list[ops.Claimed]) -> None:
+    def _start(self, recovered: list[statements.Claimed]) -> None:
         """After registering: the claim round is planned (:meth:`ClaimRound.warm`), the items a
         dead predecessor held go first, and the heartbeat runs."""
         d = self._d
         if self._db.dialect.one_query_rounds:  # Postgres: the round's plans now, not in the first take
             self._db.driver_round(d.round.warm)
         if recovered:
-            works = self._db.tx(lambda c: ops.works_by_idx(c, self._qid, [r.work_idx for r in recovered]),
+            idx = [r.work_idx for r in recovered]
+            works = self._db.tx(lambda c: statements.works_by_idx(c, self._qid, idx),
                                 read=True)
             d.book.add(recovered, works)
         self._heartbeat = Heartbeat(self._db, self._qid, d.member, self._terms(), self.name,
@@ -358,7 +361,7 @@ class WorkQueue:
         if held is None:
             raise InvalidInput(f"{item!r} is not among the items this queue object handed out "
                                "recently; pass what take() returned")
-        found = self._db.tx(lambda c: ops.item_bounds(c, self._qid, held.item_id), read=True)
+        found = self._db.tx(lambda c: statements.item_bounds(c, self._qid, held.item_id), read=True)
         if found is None:
             raise InvalidInput(f"{item!r} is not an item of queue {self.name!r}")
         work, bounds = found
@@ -376,7 +379,7 @@ class WorkQueue:
     def work_at(self, idx: int) -> str:
         """The stored work with index ``idx`` (0-based, in the order the works were given; a
         sliced work's items carry the work they came from)."""
-        works = self._db.tx(lambda c: ops.works_by_idx(c, self._qid, [idx]), read=True)
+        works = self._db.tx(lambda c: statements.works_by_idx(c, self._qid, [idx]), read=True)
         if idx not in works:
             raise InvalidInput(f"queue {self.name!r} has no work with index {idx!r}")
         return works[idx]
@@ -421,7 +424,7 @@ class WorkQueue:
         """This worker's model was restored from its checkpoint at global ``step`` (``None``: from
         no checkpoint): put back to the queue every item that a later checkpoint of this worker
         identity had covered (:meth:`cover`), and, with ``run=``, of the workers of the run's
-        earlier restarts (ranks that may not come back to restore: ``ops.reopen_after``). Items it
+        earlier restarts (ranks that may not come back to restore: ``statements.reopen_after``). Items it
         still held come back through same-identity recovery. Returns how many items were re-opened."""
         self._ensure_process()
         return self._endings.reopen_after(None if step is None else int(step), self._opts.run)
@@ -472,7 +475,7 @@ class WorkQueue:
         self._d.send_acks()
 
         def read(c: Connection) -> tuple[tuple[int, int], int]:
-            return ops.progress(c, self._qid), ops.epochs_created(c, self._qid)
+            return statements.progress(c, self._qid), statements.epochs_created(c, self._qid)
 
         (done, failed), created = self._db.tx(read, read=True)
         e = self._extent
@@ -481,7 +484,7 @@ class WorkQueue:
     def extend_epochs(self, num_epochs: int) -> None:
         """Raise the queue's ``num_epochs`` (never lower it); every worker sees it on join."""
         check_num_epochs(num_epochs)
-        got = self._db.tx(lambda c: ops.extend_epochs(c, self._qid, num_epochs))
+        got = self._db.tx(lambda c: statements.extend_epochs(c, self._qid, num_epochs))
         if not got:
             raise InvalidInput(f"num_epochs can only grow; queue {self.name!r} already has more")
         self._extent.num_epochs = got
@@ -502,7 +505,7 @@ class WorkQueue:
             with d.lock:
                 if not d.close():
                     return
-                registry.discard(self)
+                process.discard(self)
                 self._heartbeat.stop_event.set()
                 if not mine or d.superseded:
                     db.close()
@@ -541,13 +544,13 @@ class WorkQueue:
             member, recovered = register(self._db, self._qid, self.name, self.worker, self._terms())
             d.after_fork(member)
             self._start(recovered)
-            registry.add(self, self._d.fresh_locks)
+            process.add(self, self._d.fresh_locks)
 
 
 def handed_out_by(item: str) -> Optional[tuple[WorkQueue, WorkItem]]:
     """The open queue object of this process that handed ``item`` out recently, and the
     hand-out itself (None if none did)."""
-    for wq in registry.open_objects():
+    for wq in process.open_objects():
         held = wq.recent(item) if isinstance(wq, WorkQueue) else None
         if held is not None:
             return wq, held

@@ -25,7 +25,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]
+sys.path[:0] = [str(HERE.parent / "support"), str(HERE.parent.parent)]
 
 from procwatch import Hung, burners, run_all  # noqa: E402
 
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burners", type=int, default=2)
     ap.add_argument("--hang", type=float, default=60.0, help="seconds after which a run is a hang")
     args = ap.parse_args(argv)
-    from conftest import drop_pg_database, new_pg_database
+    from backends import drop_pg_database, new_pg_database
 
-    from wq_sql.engine import resolve_url
+    from wq_sql.store.engine import resolve_url
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

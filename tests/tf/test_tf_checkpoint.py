@@ -25,12 +25,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import BACKENDS, drop_pg_database, new_pg_database
-from conftest import _pg_url as pg_url
+from backends import BACKENDS, drop_pg_database, new_pg_database, pg_url
 from tf_support import ENV, HERE
 
 from wq_sql import WorkQueue
-from wq_sql.engine import resolve_url
+from wq_sql.store.engine import resolve_url
 
 LINES_PER_FILE = 10
 CKPT_WORKER = HERE / "ckpt_worker.py"

@@ -1,17 +1,14 @@
 """The end of data under load (issue 13): two TF worker processes run the simplest pipeline on
 one queue beside two CPU burners, a few times per backend, under a hang detector that dumps
 every worker's stacks. ``make stress`` runs many more rounds (``stress_end_of_data.py``); the
-interleaving itself is forced deterministically in ``tests/test_waits.py`` and
+interleaving itself is forced deterministically in ``tests/contract/test_waits.py`` and
 ``test_tf_sync.py``."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # procwatch
 from procwatch import burners  # noqa: E402
 from stress_end_of_data import one_run  # noqa: E402
 

@@ -59,7 +59,9 @@ def test_take_many_hands_out_what_is_buffered_and_acks_a_hand_out_at_the_next(ur
     assert wq.prefetch() == 4
     assert states_of(url, "work_queue", "w") == {"claimed": 5, "done": 3}
     assert wq.take_many(4) == ["w4", "w5", "w6", "w7"]
-    assert wq.prefetch() == 2                     # 4 - 0 buffered, the hand-out not counted: w8, w9
+    # The hand-out in use counts but its first item (reached as it is handed out): 4 - 3 = 1.
+    assert wq.prefetch() == 1                     # w8
+    assert wq.prefetch() == 0
     assert wq.take_many(0) == ["w8"]              # at least one
     assert wq.take_many(5) == ["w9"]              # the round trip claimed the last one
     with pytest.raises(wq_sql.QueueExhausted):
@@ -72,13 +74,13 @@ def test_take_many_with_claim_leaves_the_rest_to_prefetch(url: str) -> None:
     wq = wq_sql.WorkQueue(works, shuffle=False, url=url, worker="w", lease_ahead=6)
     assert wq.take_many(2, claim=2) == ["w0", "w1"]  # the empty buffer: only this hand-out claimed
     assert claimed(url, "w") == 2
-    assert wq.prefetch() == 6                        # 6 - 0 buffered: the hand-out does not count
+    assert wq.prefetch() == 5                        # 6 - 0 buffered - w1, not reached yet
     assert wq.take_many(2, claim=2) == ["w2", "w3"]  # from the buffer: claim= changes nothing
-    assert claimed(url, "w") == 8
-    assert wq.take_many(9, claim=9) == ["w4", "w5", "w6", "w7"]
-    assert wq.take_many(1, claim=50) == ["w8"]      # claims up to lease_ahead: the four left
-    assert states_of(url, "work_queue", "w") == {"claimed": 4, "done": 8}
-    assert wq.take_many(5) == ["w9", "w10", "w11"]
+    assert claimed(url, "w") == 7
+    assert wq.take_many(9, claim=9) == ["w4", "w5", "w6"]
+    assert wq.take_many(1, claim=50) == ["w7"]      # claims up to lease_ahead: the five left
+    assert states_of(url, "work_queue", "w") == {"claimed": 5, "done": 7}
+    assert wq.take_many(5) == ["w8", "w9", "w10", "w11"]
     wq.close()
     assert states_of(url, "work_queue", "w") == {"done": 12}
 

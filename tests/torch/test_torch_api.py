@@ -14,7 +14,7 @@ import torch.utils.data
 from torch_support import ENV, close_datasets, sql, write_files  # noqa: F401 - an autouse fixture
 
 from wq_sql import InvalidInput, WorkQueue
-from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, handoff, rank_name
+from wq_sql.torch import DataLoader, QueueDataset, QueueSampler, acks, rank_name
 
 
 def read_lines(path: str) -> list[str]:
@@ -85,7 +85,7 @@ def test_acknowledgements_in_the_background(db_url: str, tmp_path: Path,
     """consumed='trained': during a pass the acknowledgements go out from a background thread
     (the loop does not wait for their commits); the pass's end waits for them, so every item is
     done when the loop ends, and one that failed is raised in the loop."""
-    monkeypatch.setattr(handoff, "ACK_SECONDS", 0.0)  # every step's items at once
+    monkeypatch.setattr(acks, "ACK_SECONDS", 0.0)  # every step's items at once
     real = WorkQueue.complete_handed
     threads: set[str] = set()
 

@@ -34,8 +34,8 @@ from wq_sql.plan import PlannedItem, allocate, slice_name
 from wq_sql.sources.base import Slice, Source
 from wq_sql.sources.lines import LinesSource
 from wq_sql.sources.range import RangeSource
-from wq_sql.sources.redact import redact
 from wq_sql.sources.table import TableSource, register_database
+from wq_sql.store.redact import redact
 
 log = logging.getLogger("wq_sql")
 

@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from wq_sql.errors import InvalidInput, WqSqlError
 from wq_sql.plan import cut
 from wq_sql.sources.base import Slice
-from wq_sql.sources.redact import redact
+from wq_sql.store.redact import redact
 
 PREFIX = "lines:"
 

@@ -64,12 +64,12 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 from sqlalchemy.sql.elements import ColumnElement, quoted_name
 
-from wq_sql.dialects import dialect_of
-from wq_sql.engine import make_engine, resolve_url, safe_url
 from wq_sql.errors import InvalidInput
 from wq_sql.plan import cut
 from wq_sql.sources.base import Slice
-from wq_sql.sources.redact import redact
+from wq_sql.store.dialects import dialect_of
+from wq_sql.store.engine import make_engine, resolve_url
+from wq_sql.store.redact import redact, safe_url
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]{0,62}"
 _WORK = re.compile(r"^table:(?://(?P<alias>[^/?]*)/)?(?P<table>[^?]*)(?:\?(?P<query>.*))?$", re.S)

@@ -68,8 +68,8 @@ ranks) returns the previous incarnation's items to the queue as soon as its firs
 
 from typing import Any
 
+from wq_sql.torch.claiming import rank_name
 from wq_sql.torch.dataset import QueueDataset
-from wq_sql.torch.handoff import rank_name
 from wq_sql.torch.loader import DataLoader
 from wq_sql.torch.sampler import QueueSampler
 

@@ -13,19 +13,18 @@ import torch
 from sqlalchemy.engine import make_url
 from torch.utils.data import IterableDataset, get_worker_info
 
-from wq_sql.engine import resolve_url, safe_url
 from wq_sql.errors import InvalidInput
 from wq_sql.plan import Work
 from wq_sql.queue import WorkItem
-from wq_sql.torch.handoff import (
+from wq_sql.store.engine import resolve_url
+from wq_sql.store.redact import safe_url
+from wq_sql.torch.acks import close_main_queue, give_back_recovered, main_queue
+from wq_sql.torch.claiming import (
     Loader,
     Notes,
     QueueConfig,
     check_consumed,
     check_epochs,
-    close_main_queue,
-    give_back_recovered,
-    main_queue,
     rank_name,
     torch_run,
 )
@@ -212,7 +211,7 @@ class QueueDataset(QueuePasses, IterableDataset):
       worker ``k`` is ``<worker>/loader<k>``, so a restarted rank gets its items back first.
     - ``lease_ahead``: items a loader claims per round trip; by default (``None``) the core sizes
       it from the loader's own time per item, smaller near the end while other workers share
-      the queue (:class:`wq_sql.pacer.Sizer`, as for the TF shim); a number fixes it.
+      the queue (:class:`wq_sql.worker.sizing.Sizer`, as for the TF shim); a number fixes it.
 
     A pass ends for a DataLoader worker as soon as nothing of it is claimable: it never waits for
     items other workers hold (they may be blocked in a collective that waits for this rank).

@@ -12,8 +12,9 @@ import torch.utils.data
 from torch.utils.data import BatchSampler, default_collate, default_convert
 
 from wq_sql.errors import InvalidInput
+from wq_sql.torch.acks import Acks, give_back_recovered, main_queue
+from wq_sql.torch.claiming import Notes
 from wq_sql.torch.dataset import QueueDataset, QueuePasses
-from wq_sql.torch.handoff import Acks, Notes, give_back_recovered, main_queue
 from wq_sql.torch.sampler import QueueSampler
 
 STATE_VERSION = 1

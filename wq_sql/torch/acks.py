@@ -1,0 +1,240 @@
+"""The trainer side of :mod:`wq_sql.torch` (the main process): :class:`Acks` marks an item done
+once the training step of the batch that carried its last record is over, which is when the
+training loop asks for the next batch, in one transaction per ``ACK_SECONDS`` of training and at
+the end of each pass; with ``consumed="checkpoint"`` it takes the trained items over into a
+:class:`~wq_sql.worker.checkpoints.Ledger` instead, made done by the checkpoint that covers them.
+:func:`main_queue` is the rank's own queue object. The loader side is :mod:`wq_sql.torch.claiming`;
+the protocol between the two is described there."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+import weakref
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+from wq_sql.queue import WorkQueue
+from wq_sql.torch.claiming import Notes, QueueConfig
+from wq_sql.worker.checkpoints import Ledger, Mark
+
+log = logging.getLogger("wq_sql")
+
+ACK_SECONDS = 0.2  # the trainer side sends its acknowledgements at most this often (and at pass ends)
+ACK_ITEMS = 4096  # ... or when this many are waiting
+"""The items whose last record went into one batch, as ``consumed="trained"`` sends them to the
+trainer: who claimed them (a ``WorkQueue.worker_id``) then each one's ``(id, token)``, flat:
+``(holder, id, token, id, token, ...)``, ``()`` for none. All the acknowledgement needs, and the
+cheapest to pickle: a batch's ``Handed`` objects (two per item, with the work string twice) cost
+~7 us more to pickle and ~8 us more to load per batch (``bench/torch_threads.py``)."""
+
+
+class Acks:
+    """The trainer side (see the module docstring): one per DataLoader, in the main process.
+    ``checkpoint``: trained items are held until a checkpoint covers them, not marked done."""
+
+    def __init__(self, queue: WorkQueue, checkpoint: bool = False) -> None:
+        self.queue = queue
+        # One ledger per trainer-side queue object: what the rank identity holds, whichever of
+        # this process's DataLoaders trained it (a restore gives all of it back).
+        self.ledger: Optional[Ledger] = _ledgers.setdefault(queue, Ledger()) if checkpoint else None
+        self.current: Notes = ()  # the batch yielded last: its training step is not over
+        self.saving: Optional[tuple[int, Mark]] = None  # a save point whose checkpoint is being saved
+        # Trained, not yet sent: Keys per batch (consumed="trained", grouped by the sender, off
+        # the training loop's thread), else Handed per item; and how many items that is.
+        self._due: list[Any] = []
+        self._due_n = 0
+        self._sent = time.monotonic()
+        self.acknowledged = 0
+        # consumed="trained": a pass's periodic acknowledgements, sent by one background thread
+        # in order (see _send_soon); made at the first, in the process that uses it.
+        self._sender: Optional[ThreadPoolExecutor] = None
+        self._sending: deque[Future[None]] = deque()
+        if checkpoint:
+            _at_exit_saved()
+
+    def yielded(self, handed: Notes) -> None:
+        """A new batch is handed to the training loop: the step of the one before is over."""
+        last, self.current = self.current, handed
+        self.trained(last)
+
+    def trained(self, handed: Notes) -> None:
+        """The training step of the batch that carried these items is over. Checkpoint mode
+        takes them over only at save points and pass ends (or ``ACK_ITEMS`` at a time): until
+        then the loaders that read them hold and renew them, and a crash returns them the same."""
+        if handed:
+            if isinstance(handed, tuple):
+                self._due.append(handed)
+                self._due_n += len(handed) // 2
+            else:
+                self._due.extend(handed)
+                self._due_n += len(handed)
+        while self._sending and self._sending[0].done():
+            self._sending.popleft().result()  # a background acknowledgement's error, if any
+        if self._due and (self._due_n >= ACK_ITEMS
+                          or (self.ledger is None and time.monotonic() - self._sent >= ACK_SECONDS)):
+            if self.ledger is None:
+                self._send_soon()
+            else:
+                self.flush()
+
+    def _send_soon(self) -> None:
+        """consumed="trained", during a pass: the acknowledgement's transaction runs in a
+        background thread, one at a time and in order, so that the training loop does not wait
+        for its commit (on Postgres a WAL flush: 4-20 ms of the main thread, three times per
+        pass of ``bench/torch_loader.py``). :meth:`flush` (a pass's end or break) waits for them;
+        an error is raised by the next call here or there."""
+        self._sent = time.monotonic()
+        due, self._due, self._due_n = self._due, [], 0
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wq_sql-acks")
+        self._sending.append(self._sender.submit(self._send, due))
+
+    def flush(self) -> None:
+        """Mark done now what the trainer consumed (checkpoint mode: hold it, for the ledger),
+        once the acknowledgements sent in the background are done."""
+        while self._sending:
+            self._sending.popleft().result()
+        self._sent = time.monotonic()
+        if not self._due:
+            return
+        due, self._due, self._due_n = self._due, [], 0
+        self._send(due)
+
+    def _send(self, due: list[Any]) -> None:
+        """``due``: what :meth:`trained` gathered, Keys per batch or Handed per item."""
+        by_holder: dict[int, list[Any]] = defaultdict(list)
+        n = 0
+        for note in due:
+            if isinstance(note, tuple):
+                keys = by_holder[note[0]]
+                keys.extend(zip(note[1::2], note[2::2]))
+                n += len(note) // 2
+            else:
+                by_holder[note.holder].append(note.item)
+                n += 1
+        if self.ledger is None:
+            self.acknowledged += n - len(self.queue.complete_handed(by_holder))
+        else:
+            lost = self.queue.adopt_handed(by_holder)
+            gone = {id(i) for i in lost}
+            self.ledger.finish(self.ledger.start(), [h.item for h in due if id(h.item) not in gone])
+            self.acknowledged += n - len(lost)
+
+    def save_point(self, step: int) -> list[int]:
+        """``state_dict()`` at ``step``: every batch yielded so far is trained; what it carried is
+        covered once :meth:`saved` says the checkpoint holding the state was saved. Returns the
+        ids of the items the save covers (the state keeps them: see :meth:`restore`)."""
+        assert self.ledger is not None
+        self.trained(self.current)
+        self.current = ()
+        self.flush()
+        mark = self.ledger.mark()
+        self.saving = (step, mark)
+        _save_points.add(self)  # held until saved, even if the DataLoader is dropped first
+        return sorted(i.item_id for i in self.ledger.covered(mark, mark, 0)[0])
+
+    def saved(self) -> int:
+        """The checkpoint of the last save point was saved: its items are done. Returns how many."""
+        if self.saving is None or self.ledger is None:
+            return 0
+        (step, mark), self.saving = self.saving, None
+        _save_points.discard(self)
+        done, _ = self.ledger.cover(self.queue, step, mark, mark, 0)
+        return done
+
+    def restore(self, step: Optional[int], saved: Sequence[int]) -> int:
+        """The model was restored from the checkpoint at ``step``, whose state says it covers the
+        items ``saved`` (ids): those of them this rank still holds (the process crashed before it
+        learnt the checkpoint was saved, or this one restores it) become done now; the rest it
+        holds (trained since, or recovered from a crashed predecessor) go back to the queue, and
+        so do the items its later checkpoints had covered. Returns how many items went back."""
+        assert self.ledger is not None
+        self.saving = None
+        _save_points.discard(self)
+        self.trained(self.current)
+        self.current = ()
+        self.flush()
+        n = self.queue.reopen_after(step)
+        mark = self.ledger.mark()
+        held, _ = self.ledger.covered(mark, mark, 0)
+        self.ledger.forget(held)
+        while self.queue.buffered:  # recovered from a crashed predecessor of this identity
+            held += self.queue.take_many(self.queue.buffered, timeout=0)
+        covers = set(saved)
+        if step is not None and any(i.item_id in covers for i in held):
+            self.queue.cover([i for i in held if i.item_id in covers], step)
+        for item in held:
+            if item.item_id not in covers or step is None:
+                self.queue.release(item)
+                n += 1
+        return n
+
+
+_ledgers: weakref.WeakKeyDictionary[WorkQueue, Ledger] = weakref.WeakKeyDictionary()
+_save_points: set[Acks] = set()  # those with a save point whose checkpoint is being saved
+_saved_hooked: set[int] = set()
+
+
+def _saved_at_exit() -> None:
+    """A normal exit after ``state_dict()``: the checkpoint it went into was saved (an
+    unhandled exception, which may have interrupted the save, leaves ``sys.last_value``)."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    for acks in list(_save_points):
+        try:
+            acks.saved()
+        except Exception as e:  # the database is away: the items stay held, then go back
+            log.warning("queue %r: could not mark the last checkpoint's items done: %s", acks.queue.name, e)
+
+
+def _at_exit_saved() -> None:
+    """Once per process, after wq_sql's own exit hook was registered (so it runs before the
+    queue objects close and give back what they hold)."""
+    if os.getpid() not in _saved_hooked:
+        _saved_hooked.add(os.getpid())
+        atexit.register(_saved_at_exit)
+
+
+def give_back_recovered(queue: WorkQueue) -> int:
+    """Release what ``queue`` (a rank's trainer side, which never takes items) took back at start
+    from a crashed predecessor of its identity: trained, not covered by a checkpoint."""
+    n = 0
+    while queue.buffered:
+        for item in queue.take_many(queue.buffered, timeout=0):
+            queue.release(item)
+            n += 1
+    return n
+
+
+_mains: dict[tuple[int, tuple[str, str, Optional[str]], str], WorkQueue] = {}
+
+
+def main_queue(config: QueueConfig, worker: str, create: Optional[dict[str, Any]] = None) -> WorkQueue:
+    """This process's queue object for the trainer side, under ``worker`` (one per process, queue
+    and identity: two objects of one identity in one process would conflict). ``create``: the
+    arguments that create the queue if it does not exist yet (works, num_epochs, ...)."""
+    key = (os.getpid(), config.key(), worker)
+    q = _mains.get(key)
+    if q is not None:
+        return q
+    if create is None:
+        q = config.open(worker)
+    else:
+        q = WorkQueue(name=config.name, url=config.url, schema=config.schema, worker=worker,
+                      auto_complete=False, lease_ahead=config.lease_ahead, **create, **config.options)
+    _mains[key] = q
+    return q
+
+
+def close_main_queue(config: QueueConfig, worker: str) -> None:
+    q = _mains.pop((os.getpid(), config.key(), worker), None)
+    if q is not None:
+        q.close()
+
+
