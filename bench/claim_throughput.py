@@ -214,7 +214,7 @@ def _run_raw(url: str, variant: str, n: int, name: str, ready: Any, go: Any, sec
             cur.executemany(_SQ_ACK, acks)
             rows = cur.execute(claim, (qid, wid, token)).fetchall()
         else:  # wq_sql's own round on this connection (it reads the work strings itself)
-            _, claimed, _ = rnd.run(conn, qid, wid, acks)
+            _, claimed = rnd.run(conn, qid, wid, acks)
             rows = [(c.id, c.work_idx, c.token) for c in claimed]
         if rows and variant == "raw":
             idx = sorted({r[1] for r in rows})

@@ -631,7 +631,7 @@ def _kind(q: str) -> str:
     if ql.startswith("with w as (update wq_workers set heartbeat_at"):  # renewal.Renewal
         return "heartbeat+poll" if "epochs_created" in ql else "heartbeat"  # a waiting take's poll rode on it
     if "epochs_created" in ql and "exists" in ql:
-        return "poll"  # look.Look, by a waiting take (or riding on its heartbeat, on SQLite)
+        return "poll"  # poll.Poll, by a waiting take (or riding on its heartbeat, on SQLite)
     if ql.startswith("update wq_workers set heartbeat_at") or ql.startswith("update wq_items set lease_until"):
         return "heartbeat"  # the renewal of code before renewal.Renewal
     if "wq_workers" in ql or "lease_until < clock_timestamp()" in ql:

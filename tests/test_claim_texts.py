@@ -44,17 +44,17 @@ def _rounds(url: str) -> dict[str, Any]:
             wid = c.execute(sa.text("SELECT id FROM wq_workers WHERE queue_id = :q"), {"q": qid}).scalar_one()
         claim = ClaimRound(Dialect(engine.dialect.name), 3, lease_seconds=60)
 
-        def run(acks: list[tuple[int, int]], limit: Any = None) -> tuple[set[int], list[Any], dict[int, str]]:
+        def run(acks: list[tuple[int, int]], limit: Any = None) -> tuple[set[int], list[Any]]:
             with driver_transaction(engine) as conn:
                 return claim.run(conn, qid, wid, acks, limit)
 
         said: list[Any] = []
         pos: dict[int, tuple[int, int]] = {}
 
-        def note(accepted: set[int], got: list[Any], works: dict[int, str]) -> None:
+        def note(accepted: set[int], got: list[Any]) -> None:
             pos.update({c.id: (c.epoch, c.seq) for c in got})
             said.append((sorted(pos[i] for i in accepted),
-                         [(c.epoch, c.seq, c.attempts, works[c.work_idx]) for c in got]))
+                         [(c.epoch, c.seq, c.attempts, c.work) for c in got]))
 
         first = run([])
         note(*first)

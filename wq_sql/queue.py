@@ -35,19 +35,17 @@ from wq_sql.sources import read_slice
 from wq_sql.store import statements
 from wq_sql.store.db import LOCK_SLICE, Db
 from wq_sql.store.engine import keep_for_children, resolve_url, worker_engine
-from wq_sql.store.hot.claim import ClaimRound
-from wq_sql.store.hot.poll import Look
-from wq_sql.store.hot.renew import Renewal
+from wq_sql.store.hot import HotPath
 from wq_sql.store.migrate import ensure_schema
 from wq_sql.store.redact import safe_url
 from wq_sql.worker import process
-from wq_sql.worker.book import Holdings, WorkItem
+from wq_sql.worker.book import Book, WorkItem
 from wq_sql.worker.dispenser import Dispenser, Extent, Rules
 from wq_sql.worker.epochs import EpochMaker, Order
 from wq_sql.worker.heartbeat import Heartbeat, Terms, register
 from wq_sql.worker.identity import check_worker_name, default_worker_name
 from wq_sql.worker.joining import open_queue
-from wq_sql.worker.outcomes import Endings, Handout
+from wq_sql.worker.outcomes import Handout, Outcomes
 from wq_sql.worker.process import weak_method
 from wq_sql.worker.sizing import AUTO_MAX
 
@@ -187,10 +185,9 @@ class WorkQueue:
             member, recovered = register(db, self._qid, self.name, self.worker, self._terms())
             rules = Rules(self.name, self.worker, o.lease_ahead, o.poll_seconds, row.max_attempts,
                           o.auto_complete, o.claim_ahead)
-            self._d = Dispenser(db, self._qid, member, Holdings(self.prefix),
-                                ClaimRound(db.dialect, o.lease_ahead or AUTO_MAX, o.lease_seconds, schema),
-                                Look(db.dialect, schema), epochs, self._extent, rules)
-            self._endings = Endings(db, self._qid, self._d, schema)
+            self._hot = HotPath(db, self._qid, o.lease_ahead or AUTO_MAX, o.lease_seconds, schema)
+            self._d = Dispenser(db, self._hot, member, Book(self.prefix), epochs, self._extent, rules)
+            self._outcomes = Outcomes(db, self._hot, self._d)
             self._start(recovered)
             process.add(self, self._d.fresh_locks)
         except BaseException:
@@ -266,19 +263,17 @@ class WorkQueue:
         """After registering: the claim round is planned (:meth:`ClaimRound.warm`), the items a
         dead predecessor held go first, and the heartbeat runs."""
         d = self._d
-        if self._db.dialect.one_query_rounds:  # Postgres: the round's plans now, not in the first take
-            self._db.driver_round(d.round.warm)
+        self._hot.warm()  # Postgres: the round's plans now, not in the first take
         if recovered:
             idx = [r.work_idx for r in recovered]
             works = self._db.tx(lambda c: statements.works_by_idx(c, self._qid, idx),
                                 read=True)
             d.book.add(recovered, works)
-        self._heartbeat = Heartbeat(self._db, self._qid, d.member, self._terms(), self.name,
+        self._heartbeat = Heartbeat(self._db, self._hot, d.member, self._terms(), self.name,
                                     holding=weak_method(d.holding, None),
                                     superseded=weak_method(d.lose_identity, None),
                                     returned=weak_method(d.made_claimable, None),
                                     idle=weak_method(d.give_back_idle, 0),
-                                    renewal=Renewal(self._db.dialect, d.look, self._opts.schema),
                                     ride=weak_method(d.ride_beat, None))
         d.beat_due = self._heartbeat.next_due
         d.beat_carry = self._heartbeat.carry
@@ -396,18 +391,18 @@ class WorkQueue:
     def complete(self, item: str) -> None:
         """Mark ``item`` done now; raises :class:`LeaseLost` if its lease was lost meanwhile."""
         self._ensure_process()
-        self._endings.complete(item)
+        self._outcomes.complete(item)
 
     def release(self, item: str) -> None:
         """Give ``item`` back to the queue without counting an attempt."""
         self._ensure_process()
-        self._endings.release(item)
+        self._outcomes.release(item)
 
     def fail(self, item: str, error: object = "failed") -> None:
         """Count a failed attempt on ``item`` (recorded as ``last_error``); after ``max_attempts``
         the item is ``failed``, else it goes back to the queue."""
         self._ensure_process()
-        self._endings.fail(item, str(error)[:10_000])
+        self._outcomes.fail(item, str(error)[:10_000])
 
     # ------------------------------------------------------------------ checkpoint-consistent consumption
 
@@ -418,7 +413,7 @@ class WorkQueue:
         ``auto_complete=False``; :mod:`wq_sql.tf` calls it. Returns the items whose lease was lost
         (another worker holds or finished them); they are logged, not raised."""
         self._ensure_process()
-        return self._endings.cover(items, int(step), ambiguous)
+        return self._outcomes.cover(items, int(step), ambiguous)
 
     def reopen_after(self, step: Optional[int]) -> int:
         """This worker's model was restored from its checkpoint at global ``step`` (``None``: from
@@ -427,7 +422,7 @@ class WorkQueue:
         earlier restarts (ranks that may not come back to restore: ``statements.reopen_after``). Items it
         still held come back through same-identity recovery. Returns how many items were re-opened."""
         self._ensure_process()
-        return self._endings.reopen_after(None if step is None else int(step), self._opts.run)
+        return self._outcomes.reopen_after(None if step is None else int(step), self._opts.run)
 
     # ------------------------------------------------------------------ items another process consumes
 
@@ -443,13 +438,13 @@ class WorkQueue:
         database, and this object no longer renews, completes, releases or fails them:
         ``close()`` leaves them claimed. If nobody acknowledges them, they come back as a crashed
         worker's items do (to this identity's next process first, else after their lease)."""
-        self._endings.hand_off(items)
+        self._outcomes.hand_off(items)
 
     def still_held(self, items: Sequence[WorkItem]) -> list[WorkItem]:
         """Those of ``items`` that this worker still holds by the database (claimed by it under the
         same token), in one read; the others were completed (or lost) meanwhile."""
         self._ensure_process()
-        return self._endings.still_held(items)
+        return self._outcomes.still_held(items)
 
     def complete_handed(self, handed: Mapping[int, Sequence[Handout]]) -> list[Handout]:
         """Mark done, in one transaction, items that other workers of this queue claimed and handed
@@ -459,13 +454,13 @@ class WorkQueue:
         the events and counters name the holder. Returns the items (or keys) whose lease was lost
         (another worker holds or finished them), logged, not raised."""
         self._ensure_process()
-        return self._endings.complete_handed(handed)
+        return self._outcomes.complete_handed(handed)
 
     def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
         """Hold items other workers handed to this process (``{holder: items}``) under this worker until
         :meth:`cover` or ``close()``; fenced by ``(id, token)``. Returns the items whose lease was lost."""
         self._ensure_process()
-        return self._endings.adopt_handed(handed, self._opts.lease_seconds)
+        return self._outcomes.adopt_handed(handed, self._opts.lease_seconds)
 
     # ------------------------------------------------------------------ progress and lifecycle
 
@@ -511,7 +506,7 @@ class WorkQueue:
                     db.close()
                     return
                 try:
-                    self._endings.leave(_failed)
+                    self._outcomes.leave(_failed)
                 finally:
                     self._heartbeat.stop()
                     db.close()

@@ -114,7 +114,7 @@ def test_a_ring_that_says_the_queue_is_finished_ends_a_wait_without_a_poll(db_ur
         return Peek(pending=False, expired=False, finished=0, epochs_created=1, mine=0, failed=0,
                     num_epochs=1)
 
-    d.look.poll = lying_poll  # type: ignore[method-assign]
+    d.hot.poll = lying_poll  # type: ignore[method-assign]
     ended: list[BaseException] = []
 
     def wait() -> None:

@@ -16,7 +16,7 @@ from wq_sql import WorkQueue
 from wq_sql.store.dialects import SQLITE_NOW, Dialect, dialect_of
 from wq_sql.store.engine import resolve_url
 from wq_sql.store.hot.claim import ClaimRound
-from wq_sql.store.hot.poll import Look
+from wq_sql.store.hot.poll import Poll
 from wq_sql.store.hot.renew import Carry, Renewal
 from wq_sql.worker.heartbeat import CARRY_WINDOW
 from wq_sql.worker.identity import hostname
@@ -25,7 +25,7 @@ LONG_AGO = dt.datetime(2000, 1, 1)
 
 
 @contextmanager
-def driver(url: str) -> Iterator[tuple[Any, Renewal, Look]]:
+def driver(url: str) -> Iterator[tuple[Any, Renewal, Poll]]:
     """A driver connection, and the renewal and look of the dialect; Postgres in autocommit
     mode (each renewal one query, as ``Db.driver_round`` sends it), SQLite committed after."""
     engine = sa.create_engine(resolve_url(url), poolclass=NullPool)
@@ -34,7 +34,7 @@ def driver(url: str) -> Iterator[tuple[Any, Renewal, Look]]:
     conn: Any = fairy.driver_connection
     if not b.is_sqlite:
         conn.autocommit = True
-    look = Look(b)
+    look = Poll(b)
     try:
         yield conn, Renewal(b, look), look
         if b.is_sqlite:
@@ -179,10 +179,9 @@ def test_a_claim_round_carries_the_renewal(db_url: str) -> None:
         d = _dialect(db_url)
         with driver(db_url) as (conn, renewal, _):
             carry = Carry(renewal, inc, tokens, 1, 120.0, None)
-            accepted, got, by_idx = ClaimRound(d, 2, 120.0).run(conn, qid, wid, [(a1_id, a1_token)], None, "",
-                                                                carry)
+            accepted, got = ClaimRound(d, 2, 120.0).run(conn, qid, wid, [(a1_id, a1_token)], None, "", carry)
         assert carry.alive is True
-        assert accepted == {a1_id} and sorted(by_idx.values()) == ["n1", "n2"] and len(got) == 2
+        assert accepted == {a1_id} and sorted(c.work for c in got) == ["n1", "n2"] and len(got) == 2
         assert _item(db_url, "a1")[2] == "done"
         assert str(_item(db_url, "a2")[3]) > "2001"  # A's other item: renewed
         assert str(_item(db_url, "b1")[3]) < "2001"  # B's: not
@@ -198,8 +197,8 @@ def test_a_claim_round_carries_the_renewal(db_url: str) -> None:
         _rows(db_url, "UPDATE wq_workers SET heartbeat_at = :t", t=LONG_AGO)
         with driver(db_url) as (conn, renewal, _):
             carry = Carry(renewal, "another incarnation", tokens, 1, 120.0, None)
-            _, got, by_idx = ClaimRound(d, 1, 120.0).run(conn, qid, wid, [], None, "", carry)
-        assert carry.alive is False and list(by_idx.values()) == ["n3"]
+            _, got = ClaimRound(d, 1, 120.0).run(conn, qid, wid, [], None, "", carry)
+        assert carry.alive is False and [c.work for c in got] == ["n3"]
         assert str(_item(db_url, "a2")[3]) < "2001"
         assert str(_rows(db_url, "SELECT heartbeat_at FROM wq_workers WHERE id = :w", w=wid)[0][0]) < "2001"
 

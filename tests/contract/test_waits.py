@@ -21,13 +21,13 @@ from sqlalchemy.pool import NullPool
 from wq_sql import QueueEmpty, QueueExhausted, WorkQueue
 from wq_sql.store.engine import resolve_url
 from wq_sql.store.hot.claim import ClaimRound
-from wq_sql.store.hot.poll import Look
+from wq_sql.store.hot.poll import Poll
 from wq_sql.worker import heartbeat
 from wq_sql.worker.dispenser import before_beat
 
 
 class PollBarrier:
-    """Wraps ``Look.poll`` (what a waiting take polls): records that a poll began and, once
+    """Wraps ``Poll.poll`` (what a waiting take polls): records that a poll began and, once
     armed, holds the next poll until released, so a test can act between a take's claim and its
     poll."""
 
@@ -35,7 +35,7 @@ class PollBarrier:
         self.polling = threading.Event()
         self.armed = threading.Event()
         self.release = threading.Event()
-        real = Look.poll
+        real = Poll.poll
 
         def poll(*args: Any, **kwargs: Any) -> Any:
             self.polling.set()
@@ -43,7 +43,7 @@ class PollBarrier:
                 assert self.release.wait(30), "the test never released the poll"
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(Look, "poll", poll)
+        monkeypatch.setattr(Poll, "poll", poll)
 
 
 def take_in_thread(wq: WorkQueue, timeout: float) -> tuple[threading.Thread, dict[str, Any]]:
@@ -197,7 +197,7 @@ def test_take_without_wait_waits_for_an_epoch_being_made(db_url: str) -> None:
 
 
 def test_the_look_reads_what_the_tables_say(db_url: str) -> None:
-    """The read after an empty round and a waiting take's poll (``look.Look``, driver-level SQL
+    """The read after an empty round and a waiting take's poll (``poll.Poll``, driver-level SQL
     on both backends): each of its figures against the tables' own rows."""
     w = WorkQueue(["a", "b", "c", "d"], shuffle=False, name="q", url=db_url, worker="w", lease_ahead=1,
                   auto_complete=False, max_attempts=1)
@@ -258,7 +258,7 @@ def test_a_waiting_take_backs_off_after_a_burst_of_takes(db_url: str,
     waiter = WorkQueue.attach("q", url=db_url, worker="waiter", poll_seconds=0.25)
     try:
         assert [waiter.take() for _ in range(6)] == [f"w{i}" for i in range(1, 7)]
-        peeks = _counting(monkeypatch, Look, "poll")
+        peeks = _counting(monkeypatch, Poll, "poll")
         t = time.monotonic()
         with pytest.raises(QueueEmpty):
             waiter.take(timeout=3.0)
@@ -307,7 +307,7 @@ def test_polls_are_spaced_with_the_heartbeats_polls() -> None:
 
 
 def test_the_read_of_a_finished_queue_skips_its_probes_and_says_so(db_url: str) -> None:
-    """``Look`` skips its three index probes once the tallies count every item finished. Before
+    """``Poll`` skips its three index probes once the tallies count every item finished. Before
     that it must still run them (an item pending, one held), and the finished test must hold
     for any ``num_epochs``, up to 2**62 (``n_works * num_epochs`` overflows 64 bits there)."""
     wq = WorkQueue(["a", "b"], num_epochs=2**62, shuffle=False, name="huge", url=db_url, worker="w",

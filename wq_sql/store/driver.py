@@ -128,7 +128,7 @@ class HotConnection:
 
     def read(self, fn: Callable[[Any], T]) -> T | Busy:
         """``fn(conn)``, ONE read-only statement in autocommit mode (as :func:`driver_read` runs
-        it), on this connection when no other thread uses it: a worker's reads (``look.Look``)
+        it), on this connection when no other thread uses it: a worker's reads (``poll.Poll``)
         need no second connection, whose connect and page cache cost a DataLoader worker of
         ``wq_sql.torch`` ~2 ms of CPU per pass (``bench/torch_phases.py``). Returns :data:`BUSY`
         at once, running nothing, if another thread uses it, or once closed."""
@@ -242,7 +242,7 @@ def driver_statement(engine: Engine) -> Iterator[tuple[Any, str]]:
 
 @contextmanager
 def driver_read(engine: Engine) -> Iterator[tuple[Any, str]]:
-    """For ONE read-only statement through the driver (``look.Look``): on Postgres
+    """For ONE read-only statement through the driver (``poll.Poll``): on Postgres
     :func:`driver_statement`; on SQLite a pooled connection as it is, in autocommit mode
     (``isolation_level = None``), where a lone ``SELECT`` is its own read transaction and takes
     no write lock. Yields the connection and the text to put first in the query (Postgres'

@@ -66,7 +66,7 @@ def _payload(engine: Engine, qid: int) -> str:
 
 def notify_args(engine: Engine, qid: int) -> Optional[tuple[str, str]]:
     """Postgres: the channel and the start of the payload (ending in a space, the news to
-    follow) for a ring sent by a statement of the caller's own (``look.Look.read_ringing``:
+    follow) for a ring sent by a statement of the caller's own (``poll.Poll.read_ringing``:
     the read that finds the queue finished rings in the same round trip); then call
     :func:`ring` with ``notified=True``. None on SQLite, whose rings are datagrams."""
     if engine.dialect.name == "sqlite":

@@ -53,7 +53,7 @@ def _work_item(value: str, work: str, epoch: int, seq: int, item_id: int, token:
     return item
 
 
-class Holdings:
+class Book:
     """``buffer``: claimed, not yet handed out (in hand-out order). ``out``: handed out, not yet
     acknowledged. ``acks``: to be marked done by the next transaction. The three pools never
     share an item."""
@@ -65,11 +65,13 @@ class Holdings:
         self.acks: dict[int, WorkItem] = {}
         self._recent: OrderedDict[str, WorkItem] = OrderedDict()
 
-    def add(self, claimed: list[Claimed], works: dict[int, str]) -> None:
-        """Claimed items join the buffer, as items with their works."""
+    def add(self, claimed: list[Claimed], works: Optional[dict[int, str]] = None) -> None:
+        """Claimed items join the buffer, as items with their works: each row's own (a claim
+        round's), else ``works`` by work index."""
         prefix, buffer = self.prefix, self.buffer
         for c in claimed:
-            work = works[c.work_idx]
+            work = c.work if works is None else works[c.work_idx]
+            assert work is not None, "a claimed row without its work, and no works given"
             buffer.append(WorkItem(prefix + work if prefix else work, work, c))
 
     def hand_one(self) -> WorkItem:

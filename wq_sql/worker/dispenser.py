@@ -21,10 +21,8 @@ from typing import Callable, Optional
 from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
 from wq_sql.store import notify, statements
 from wq_sql.store.db import Db
-from wq_sql.store.hot.claim import ClaimRound
-from wq_sql.store.hot.poll import Look, Peek
-from wq_sql.store.hot.renew import Carry
-from wq_sql.worker.book import Holdings, WorkItem
+from wq_sql.store.hot import Carry, HotPath, Peek
+from wq_sql.worker.book import Book, WorkItem
 from wq_sql.worker.epochs import EpochMaker
 from wq_sql.worker.heartbeat import Member
 from wq_sql.worker.process import weak_method
@@ -84,10 +82,10 @@ class Dispenser:
     """See the module docstring. ``book`` is shared with the owner, which reads and changes it
     only while holding :attr:`lock`; ``member`` is replaced after a fork re-registers."""
 
-    def __init__(self, db: Db, qid: int, member: Member, book: Holdings, round_: ClaimRound, look: Look,
-                 epochs: EpochMaker, extent: Extent, rules: Rules) -> None:
-        self.db, self.qid, self.member, self.book = db, qid, member, book
-        self.round, self.look, self.epochs, self.extent, self.rules = round_, look, epochs, extent, rules
+    def __init__(self, db: Db, hot: HotPath, member: Member, book: Book, epochs: EpochMaker,
+                 extent: Extent, rules: Rules) -> None:
+        self.db, self.hot, self.qid, self.member, self.book = db, hot, hot.qid, member, book
+        self.epochs, self.extent, self.rules = epochs, extent, rules
         self.lock = threading.RLock()
         # Notified when the buffer gets items or something in this process may have made an item
         # claimable (``news`` counts those): a waiting take() wakes at once (see wait()).
@@ -299,11 +297,10 @@ class Dispenser:
                 return
 
     def _look(self, *, poll: bool = False) -> Peek:
-        """One read of the queue's state (``look.Look``): a waiting take's poll, or the read
+        """One read of the queue's state (``HotPath.poll``): a waiting take's poll, or the read
         after a claim round that found nothing or acknowledgements that may have been the last."""
-        qid, worker_id = self.qid, self.member.worker_id
-        run = self.look.poll if poll else self.look.read
-        return self.db.driver_read(lambda conn, prefix: run(conn, prefix, qid, worker_id))
+        worker_id = self.member.worker_id
+        return self.hot.poll(worker_id) if poll else self.hot.read(worker_id)
 
     def ride_beat(self) -> Optional[Callable[[Peek], None]]:
         """For the heartbeat, before its renewal: while a take waits, the poll rides on the
@@ -370,15 +367,14 @@ class Dispenser:
     def _look_end(self, ring: bool) -> tuple[Peek, bool]:
         """The read after a claim round that found nothing, or after acknowledgements that may
         have been the queue's last: ``_look()``, and with ``ring`` on Postgres, if it finds the
-        queue finished, the ring of the end in the same statement (``Look.read_ringing``).
+        queue finished, the ring of the end in the same statement (``Poll.read_ringing``).
         Returns the read and whether it rang."""
         to = notify.notify_args(self.db.engine, self.qid) if ring else None
         if to is None:
             return self._look(), False
-        qid, worker_id, e = self.qid, self.member.worker_id, self.extent
+        e = self.extent
         total, num_epochs = e.total, e.num_epochs
-        peek = self.db.driver_read(lambda conn, prefix: self.look.read_ringing(
-            conn, prefix, qid, worker_id, total, num_epochs, *to))
+        peek = self.hot.read_ringing(self.member.worker_id, total, num_epochs, *to)
         return peek, peek.finished >= total and peek.num_epochs == num_epochs
 
     def deafen(self) -> None:
@@ -499,9 +495,7 @@ class Dispenser:
             self._round_gap = gap if self._round_gap is None else 0.7 * self._round_gap + 0.3 * gap
         self._round_at = t
         carry = self.beat_carry(self._round_gap, self._held) if limit else None
-        accepted, got, works = self.db.driver_round(
-            lambda conn, prefix: self.round.run(conn, self.qid, self.member.worker_id, keys, limit, prefix,
-                                                carry))
+        accepted, got = self.hot.round(self.member.worker_id, keys, limit, carry)
         if limit:
             self.drained = len(got) < limit
         if got:
@@ -516,7 +510,7 @@ class Dispenser:
             accepted = accepted | self.db.tx(lambda c: statements.done_already(c, missing), read=True)
         with self.lock:  # one critical section: a waiting take() sees the buffer filled
             self.book.settle(acks, accepted, self.rules.name)
-            self.book.add(got, works)
+            self.book.add(got)
             self.changed.notify_all()
         self.epochs.after_claim(got)
         return len(got)

@@ -30,8 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from wq_sql.errors import QueueNotFound, WorkerConflict, WqSqlError
 from wq_sql.store import statements
 from wq_sql.store.db import Db
-from wq_sql.store.hot.poll import Peek
-from wq_sql.store.hot.renew import Carry, Renewal
+from wq_sql.store.hot import Carry, HotPath, Peek
 from wq_sql.store.statements import Holder
 from wq_sql.worker.identity import hostname, process_alive, process_start
 
@@ -182,16 +181,14 @@ class Heartbeat:
     before each renewal: None, or a function that takes the poll (``look.Peek``) that rode on
     the renewal instead of taking a transaction of its own (a waiting take's poll:
     ``Dispenser.ride_beat``), called once the renewal committed. The renewal is one statement
-    (``renewal.Renewal``). The thread holds this object weakly: when its owner is collected,
+    (``HotPath.renew``). The thread holds this object weakly: when its owner is collected,
     the thread ends."""
 
-    def __init__(self, db: Db, qid: int, me: Member, terms: Terms, queue: str, *, holding: Holding,
+    def __init__(self, db: Db, hot: HotPath, me: Member, terms: Terms, queue: str, *, holding: Holding,
                  superseded: Callable[[], None], returned: Callable[[], None],
                  idle: Callable[[float], object] = lambda beat: None,
-                 renewal: Renewal,
                  ride: Callable[[], Optional[Callable[[Peek], None]]] = lambda: None) -> None:
-        self.db, self.qid, self.me, self.terms, self.queue = db, qid, me, terms, queue
-        self.renewal = renewal
+        self.db, self.hot, self.qid, self.me, self.terms, self.queue = db, hot, hot.qid, me, terms, queue
         self._holding, self._superseded, self._returned = holding, superseded, returned
         self._idle, self._ride = idle, ride
         # Live workers of the queue on this host, as of the last look; None until the first
@@ -229,8 +226,8 @@ class Heartbeat:
         if not (due - t.heartbeat_seconds * CARRY_WINDOW <= now < due <= now + gap):
             return None
         tokens, buffered = held()
-        c = Carry(self.renewal, self.me.incarnation, sorted(tokens), buffered, t.lease_seconds,
-                  t.max_item_seconds, at=now)
+        c = self.hot.carry(self.me.incarnation, sorted(tokens), buffered, t.lease_seconds, t.max_item_seconds,
+                           at=now)
         self._carried = c
         return c
 
@@ -241,7 +238,7 @@ class Heartbeat:
         if held is None:
             return
         tokens, buffered = held
-        t, me, qid = self.terms, self.me, self.qid
+        t, me = self.terms, self.me
         c = self._carried
         if due is not None and c is not None and c.alive and c.at >= due - t.heartbeat_seconds * CARRY_WINDOW:
             self._after_renewal(buffered)
@@ -252,9 +249,8 @@ class Heartbeat:
         # rows and check every pid of the host in each (the 200-worker long tail's ~1 s takes:
         # bench/cluster_scale.py tail).
         host = hostname() if self.on_host is None else None
-        r = self.db.driver_round(lambda conn, prefix: self.renewal.run(
-            conn, prefix, qid, me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds,
-            t.max_item_seconds, buffered, poll=polled is not None, host=host))
+        r = self.hot.renew(me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds, t.max_item_seconds,
+                           buffered, poll=polled is not None, host=host)
         if not r.alive:
             self._superseded()
             return

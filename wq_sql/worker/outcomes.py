@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Union
 from wq_sql.errors import LeaseLost
 from wq_sql.store import statements
 from wq_sql.store.db import Db
-from wq_sql.store.hot.leave import Leaving
+from wq_sql.store.hot import HotPath
 from wq_sql.worker.book import WorkItem
 from wq_sql.worker.dispenser import Dispenser
 
@@ -26,12 +26,11 @@ def _key(item: Handout) -> tuple[int, int]:
     return item.key if isinstance(item, WorkItem) else item
 
 
-class Endings:
+class Outcomes:
     """The ending verbs of one queue object, over its database handle and its hand-out loop."""
 
-    def __init__(self, db: Db, qid: int, dispenser: Dispenser, schema: Optional[str] = None) -> None:
-        self.db, self.qid, self.d = db, qid, dispenser
-        self.leaving = Leaving(db.dialect, schema)
+    def __init__(self, db: Db, hot: HotPath, dispenser: Dispenser) -> None:
+        self.db, self.hot, self.qid, self.d = db, hot, hot.qid, dispenser
 
     def complete(self, item: str) -> None:
         self._end(item, "complete", statements.complete)
@@ -111,20 +110,12 @@ class Endings:
             d.check_usable()
         work = [(holder, [_key(i) for i in items]) for holder, items in handed.items() if items]
 
-        def done(conn: Any) -> set[int]:
-            # The claim round's acknowledgement, claiming nothing: the hot path's statement,
-            # several times cheaper per item than statements.complete.
-            accepted: set[int] = set()
-            for holder, keys in work:
-                accepted |= d.round.run(conn, self.qid, holder, keys, 0)[0]
-            return accepted
-
-        accepted = self.db.driver_tx(done) if work else set()
+        accepted = self.hot.acknowledge(work) if work else set()
         missing = [k for _, keys in work for k in keys if k[0] not in accepted]
         if missing:  # rare: an outage may have lost a committed round's reply
             accepted |= self.db.tx(lambda c: statements.done_already(c, missing), read=True)
         lost = [i for items in handed.values() for i in items if _key(i)[0] not in accepted]
-        if lost:  # the book of this object never held them: only the warning of Holdings.settle
+        if lost:  # the book of this object never held them: only the warning of Book.settle
             which = ", ".join(f"(epoch {i.epoch}, seq {i.seq})" if isinstance(i, WorkItem) else f"(id {i[0]})"
                               for i in lost)
             log.warning("%d item(s) of queue %r were finished after their lease expired and were handed "
@@ -173,14 +164,6 @@ class Endings:
         wid, inc = d.member.worker_id, d.member.incarnation
         acks, back = [i.key for i in done], [i.key for i in give_back]
 
-        def leave(conn: Any) -> set[int]:
-            # Driver-level SQL (the claim round's acknowledgement, claiming nothing, and
-            # leaving.Leaving): on SQLite the machine's other writers wait while this holds its
-            # turn, and SQLAlchemy compiling statements for the first time held it 4-67 ms.
-            accepted = d.round.run(conn, self.qid, wid, acks, 0)[0] if acks else set()
-            self.leaving.run(conn, self.qid, wid, inc, back)
-            return accepted
-
         try:
             if failing:  # the consumer raised (rare): statements.leave, SQLAlchemy's statements
                 accepted = db.tx(lambda c: statements.leave(
@@ -195,11 +178,13 @@ class Endings:
                 # close(), which its peers recover from once its heartbeat is stale (the chaos
                 # suites); and no durable transaction can build on a lost leave, since any
                 # later synchronous commit flushes the WAL up to and past it.
-                db.driver_round(lambda conn, prefix: self.leaving.run(conn, self.qid, wid, inc, back, prefix,
-                                                                      lazy=True))
+                self.hot.leave_lazily(wid, inc, back)
                 accepted = set()
             else:
-                accepted = db.driver_tx(leave)
+                # Driver-level SQL (HotPath.leave): on SQLite the machine's other writers wait
+                # while this holds its turn, which SQLAlchemy's first compile of a statement
+                # would lengthen.
+                accepted = self.hot.leave(wid, inc, acks, back)
                 missing = [k for k in acks if k[0] not in accepted]
                 if missing:  # rare: an outage may have lost a committed attempt's reply
                     accepted |= db.tx(lambda c: statements.done_already(c, missing), read=True)

@@ -38,7 +38,7 @@ SQLITE_NOW = "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
 SQLITE_LATER = "(strftime('%Y-%m-%d %H:%M:%f', 'now', ?) || '000')"
 
 # Postgres: the transaction this starts commits without waiting for its WAL flush. For what a
-# server crash may lose harmlessly: a leave that gives back nothing (``Endings.leave``), and a
+# server crash may lose harmlessly: a leave that gives back nothing (``Outcomes.leave``), and a
 # ring, which is best effort (a NOTIFY gives its transaction an id, so its commit waited for a
 # flush of its own: ~2-4 ms here, at the end of every drain on the last worker's path).
 PG_LAZY_COMMIT = "SET LOCAL synchronous_commit = off; "

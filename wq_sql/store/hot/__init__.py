@@ -1,4 +1,117 @@
-"""The hot path's driver-level texts, both dialects side by side, each built once per queue
-object: the claim round (``claim``; Postgres' live function is ``claim_round.sql``), a waiting
-take's poll (``poll``), the heartbeat's renewal (``renew``) and a clean close's give-back
-(``leave``)."""
+"""The hot path's driver-level texts, both dialects side by side, and :class:`HotPath`, the one
+port through which a worker's runtime makes those round trips: the claim round (``claim``;
+Postgres' live function is ``claim_round.sql``), a waiting take's poll (``poll``), the
+heartbeat's renewal (``renew``) and a clean close's give-back (``leave``). The runtime
+(``wq_sql.worker``) calls :class:`HotPath` methods and never holds a connection; how each round
+trip runs (one simple query on Postgres, a write transaction on SQLite's hot connection) is the
+store's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+from wq_sql.store.db import Db
+from wq_sql.store.hot.claim import ClaimRound
+from wq_sql.store.hot.leave import Leaving
+from wq_sql.store.hot.poll import Peek, Poll
+from wq_sql.store.hot.renew import Carry, Renewal, Renewed
+from wq_sql.store.statements import Claimed
+
+__all__ = ["HotPath", "Carry", "Peek", "Renewed", "Keys"]
+
+Keys = Sequence[tuple[int, int]]  # (item id, lease token) pairs
+
+
+class HotPath:
+    """Every driver-level round trip of one queue object (queue id ``qid``) on ``db``. Built
+    once per queue object; its texts are made once for the dialect and ``schema``.
+    ``round_size``: the most a round may claim (its SQLite text is sized for it)."""
+
+    def __init__(self, db: Db, qid: int, round_size: int, lease_seconds: float,
+                 schema: Optional[str] = None) -> None:
+        self.db, self.qid = db, qid
+        b = db.dialect
+        self._claim = ClaimRound(b, round_size, lease_seconds, schema)
+        self._poll = Poll(b, schema)
+        self._renewal = Renewal(b, self._poll, schema)
+        self._leaving = Leaving(b, schema)
+
+    def round(self, worker_id: int, acks: Keys, limit: int,
+              carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed]]:
+        """One claim round: acknowledge ``acks`` (fenced by their tokens) and claim up to
+        ``limit`` items (0: none), with ``carry``'s renewal in the same transaction. Returns the
+        ids of the acks accepted and the items claimed, in hand-out order, each with its work."""
+        qid, claim = self.qid, self._claim
+        return self.db.driver_round(lambda conn, prefix: claim.run(conn, qid, worker_id, acks, limit, prefix,
+                                                                   carry))
+
+    def acknowledge(self, by_holder: Sequence[tuple[int, Keys]]) -> set[int]:
+        """Acknowledge items in the names of the workers that hold them (``(holder worker id,
+        keys)`` pairs), in one write transaction, claiming nothing: the round's statement, several
+        times cheaper per item than ``statements.complete``. Returns the ids accepted."""
+        qid, claim = self.qid, self._claim
+
+        def done(conn: object) -> set[int]:
+            accepted: set[int] = set()
+            for holder, keys in by_holder:
+                accepted |= claim.run(conn, qid, holder, keys, 0)[0]
+            return accepted
+        return self.db.driver_tx(done)
+
+    def poll(self, worker_id: int) -> Peek:
+        """What a waiting take polls: one read-only statement."""
+        look, qid = self._poll, self.qid
+        return self.db.driver_read(lambda conn, prefix: look.poll(conn, prefix, qid, worker_id))
+
+    def read(self, worker_id: int) -> Peek:
+        """What a take reads when its claim round found nothing, or after acknowledgements that
+        may have been the queue's last (the poll's statement, under its own name)."""
+        look, qid = self._poll, self.qid
+        return self.db.driver_read(lambda conn, prefix: look.read(conn, prefix, qid, worker_id))
+
+    def read_ringing(self, worker_id: int, total: int, num_epochs: int, channel: str, head: str) -> Peek:
+        """Postgres: :meth:`read`, and the ring of the queue's end in the same statement if it
+        finds the queue finished (``Poll.read_ringing``)."""
+        look, qid = self._poll, self.qid
+        return self.db.driver_read(lambda conn, prefix: look.read_ringing(
+            conn, prefix, qid, worker_id, total, num_epochs, channel, head))
+
+    def renew(self, worker_id: int, incarnation: str, tokens: Sequence[int], lease_seconds: float,
+              max_item_seconds: Optional[float], buffered: int, *, poll: bool = False,
+              host: Optional[str] = None) -> Renewed:
+        """The heartbeat's renewal, one statement (``Renewal.run``)."""
+        renewal, qid = self._renewal, self.qid
+        return self.db.driver_round(lambda conn, prefix: renewal.run(
+            conn, prefix, qid, worker_id, incarnation, tokens, lease_seconds, max_item_seconds, buffered,
+            poll=poll, host=host))
+
+    def carry(self, incarnation: str, tokens: Sequence[int], buffered: int, lease_seconds: float,
+              max_item_seconds: Optional[float], at: float) -> Carry:
+        """A renewal for the next claim round to carry (:meth:`round`'s ``carry``)."""
+        return Carry(self._renewal, incarnation, list(tokens), buffered, lease_seconds, max_item_seconds,
+                     at=at)
+
+    def leave(self, worker_id: int, incarnation: str, acks: Keys, give_back: Keys) -> set[int]:
+        """A clean close: acknowledge ``acks``, give back ``give_back`` (no attempt counted)
+        and mark the worker closed, in one write transaction. Returns the ids of acks accepted."""
+        qid, claim, leaving = self.qid, self._claim, self._leaving
+
+        def leave(conn: object) -> set[int]:
+            accepted = claim.run(conn, qid, worker_id, acks, 0)[0] if acks else set()
+            leaving.run(conn, qid, worker_id, incarnation, give_back)
+            return accepted
+        return self.db.driver_tx(leave)
+
+    def leave_lazily(self, worker_id: int, incarnation: str, give_back: Keys) -> None:
+        """A clean close that acknowledges nothing: one statement that commits without waiting
+        for the WAL flush (Postgres; see ``Outcomes.leave`` for why losing it is harmless)."""
+        qid, leaving = self.qid, self._leaving
+        self.db.driver_round(lambda conn, prefix: leaving.run(conn, qid, worker_id, incarnation, give_back,
+                                                              prefix, lazy=True))
+
+    def warm(self) -> None:
+        """Postgres: plan the claim round's statements on a server connection now, not in the
+        first take (``ClaimRound.warm``). SQLite: nothing."""
+        if self.db.dialect.one_query_rounds:
+            self.db.driver_round(self._claim.warm)

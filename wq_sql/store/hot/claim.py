@@ -128,20 +128,20 @@ class ClaimRound:
 
     def run(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
             limit: Optional[int] = None, prefix: str = "",
-            carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
+            carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed]]:
         """Claim up to ``limit`` items (default ``n``), in the transaction open on ``conn``, a
         driver connection (``engine.driver_transaction``); on Postgres also on a connection in
         autocommit mode (``engine.driver_statement``), where the round is one simple query and
         its own transaction, ``prefix`` (the statement that sets that transaction's timeouts,
         with its ``;``) going first in the same query. ``carry``: the heartbeat's renewal goes
         in the same transaction (Postgres: the same statement), its outcome set on it. Returns
-        (ids of acks accepted, items claimed in hand-out order, work by work index)."""
+        (ids of acks accepted, items claimed in hand-out order, each with its work)."""
         return self._run(conn, qid, worker_id, acks, new_token(), self.n if limit is None else limit, prefix,
                          carry)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
                       token: int, n: int, prefix: str,
-                      carry: Optional[Carry]) -> tuple[set[int], list[Claimed], dict[int, str]]:
+                      carry: Optional[Carry]) -> tuple[set[int], list[Claimed]]:
         self._rounds += 1
         floor = self._floor if self._rounds % self.FULL_SCAN_EVERY else None
         fe, fs = floor or (-1, -1)
@@ -162,13 +162,13 @@ class ClaimRound:
         got = [r for r in rows if r[0] == "c"]
         if n:  # a round that only acknowledges (limit 0) says nothing about where claims start
             self._floor = min(((r[2], r[3]) for r in got), default=None)
-        claimed = sorted((Claimed(r[1], r[2], r[3], r[4], token, r[5]) for r in got),
+        claimed = sorted((Claimed(r[1], r[2], r[3], r[4], token, r[5], r[6]) for r in got),
                          key=lambda c: (c.epoch, c.seq))
-        return accepted, claimed, {r[4]: r[6] for r in got}
+        return accepted, claimed
 
     def _run_sqlite(self, conn: Any, qid: int, worker_id: int, acks: Sequence[tuple[int, int]],
                     token: int, n: int, prefix: str = "",
-                    carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed], dict[int, str]]:
+                    carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed]]:
         params: tuple[Any, ...]
         # Errors are re-raised as SQLAlchemy's, with the statement, so the caller's retry of
         # "database is locked" applies unchanged.
@@ -212,8 +212,7 @@ class ClaimRound:
             carry.run_sqlite(conn, qid, worker_id)
         if len(rows) > 1:
             rows.sort(key=_EPOCH_SEQ)  # hand-out order
-        return ({r[0] for r in done}, [Claimed(r[0], r[1], r[2], r[3], token, r[4]) for r in rows],
-                {r[3]: r[5] for r in rows})
+        return {r[0] for r in done}, [Claimed(r[0], r[1], r[2], r[3], token, r[4], r[5]) for r in rows]
 
     def _texts(self, template: str, slot: str, row: str, k: int) -> str:
         """SQLite: ``template`` with ``k`` rows of placeholders, made once per (template, k):

@@ -73,7 +73,7 @@ UPDATE {p}wq_workers SET heartbeat_at = NULL WHERE id = %(w)s AND incarnation = 
         Postgres ``prefix`` goes first in the query (``Db.driver_round``: then the query is its
         own transaction, one round trip), and ``lazy`` commits without waiting for the WAL
         flush (``synchronous_commit = off`` for this transaction only): for a leave that
-        acknowledges nothing, see ``Endings.leave`` for why losing it is harmless."""
+        acknowledges nothing, see ``Outcomes.leave`` for why losing it is harmless."""
         self._run(conn, qid, worker_id, incarnation, give_back, prefix, lazy)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, incarnation: str,

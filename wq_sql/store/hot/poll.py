@@ -2,8 +2,8 @@
 driver-level SQL.
 
 A take that found nothing claimable reads the queue's counters, epochs and expired leases once
-(:meth:`Look.read`) and then, while it waits, polls the same statement
-(:meth:`Look.poll`). Both come at the end of every drain, from every worker at once, so they
+(:meth:`Poll.read`) and then, while it waits, polls the same statement
+(:meth:`Poll.poll`). Both come at the end of every drain, from every worker at once, so they
 are the end's critical path (``bench/long_tail.py``) and, with thousands of waiting workers, the
 database's load (``bench/cluster_scale.py``). Through SQLAlchemy the statement cost 2-3 ms of
 CPU per call here and 5 ms more to compile it on first use in a process, which is at the end of
@@ -38,7 +38,7 @@ class Peek:
     num_epochs: int = 0
 
 
-class Look:
+class Poll:
     """The statement, built once per queue object for its dialect and schema (as
     ``claim.ClaimRound``); run on a driver connection (``Db.driver_read``)."""
 

@@ -1,7 +1,7 @@
 """A heartbeat's renewal, as driver-level SQL (the claim round's way).
 
 Every ``heartbeat_seconds`` each worker refreshes its row and the leases of the items it holds;
-while one of its takes waits, the wait's poll (``look.Look``) rides in the same transaction, and
+while one of its takes waits, the wait's poll (``poll.Poll``) rides in the same transaction, and
 on its first beat the count of the host's live workers (``lease.looks_this_beat``) too. Through
 SQLAlchemy that was a transaction of four round trips (``BEGIN`` with the timeouts, two
 ``UPDATE``s, ``COMMIT``) and 1.4-1.8 ms of CPU per beat; behind a transaction pooler the server
@@ -29,7 +29,7 @@ from sqlalchemy.exc import DBAPIError
 from wq_sql.states import CLAIMED
 from wq_sql.store.dialects import SQLITE_LATER, SQLITE_NOW, Dialect, qualifier
 from wq_sql.store.driver import last_rows
-from wq_sql.store.hot.poll import Look, Peek
+from wq_sql.store.hot.poll import Peek, Poll
 
 # Tokens per statement on SQLite (32766 parameters at most).
 _SQLITE_CHUNK = 30_000
@@ -84,7 +84,7 @@ class Renewal:
     and schema; run on a driver connection (``Db.driver_round``), or carried by a claim round
     (:class:`Carry`)."""
 
-    def __init__(self, b: Dialect, look: Look, schema: Optional[str] = None) -> None:
+    def __init__(self, b: Dialect, look: Poll, schema: Optional[str] = None) -> None:
         p = qualifier(schema)
         self.look = look
         self._run = self._run_sqlite if b.is_sqlite else self._run_postgres
