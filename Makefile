@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress failover clean
+.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress stress-bound failover clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -67,6 +67,18 @@ stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU bur
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend sqlite --runs 40 --burners 2 --hang 90 && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
+
+# The lease-ahead bound sampled while a consumer reads, on every backend, for the core, TF and
+# torch, RUNS times beside two CPU burners (each burner and run bounded by timeout).
+RUNS ?= 20
+stress-bound: $(VENV)/.tf $(VENV)/.torch  ## the lease-ahead bound tests 20 times over beside 2 CPU burners (about 20 min)
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh)" && export WQ_SQL_PGBOUNCER && \
+	for b in 1 2; do timeout 3600 $(BIN)/python -c 'while True: pass' & done; \
+	ok=0; for i in $$(seq $(RUNS)); do \
+	  timeout 600 $(BIN)/python -m pytest -q -p no:cacheprovider tests/contract/test_lease_ahead_bound.py \
+	    tests/tf/test_tf_lease_ahead.py tests/torch/test_torch_lease_ahead.py || ok=1; \
+	done; kill $$(jobs -p) 2>/dev/null; exit $$ok
 
 failover: $(VENV)/.test  ## the failover drill on a real Patroni + etcd pair (installs patroni, etcd-server as root): 16 workers, primary killed, switchover, standby lost (about 3 min)
 	$(BIN)/python bench/failover.py

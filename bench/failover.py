@@ -1,6 +1,6 @@
 """The failover drill (``make failover``): long drains on a real Patroni + etcd pair, each hit by
 a primary crash, a planned switchover and a lost standby, with the checks of
-``tests/test_failover.py`` (the short form, in CI).
+``tests/postgres/test_failover.py`` (the short form, in CI).
 
     .venv/bin/python bench/failover.py                        # 2 rounds, 16 workers, about 3 minutes
     .venv/bin/python bench/failover.py --rounds 3 --works 2000 --procs 16

@@ -3,7 +3,7 @@
 ``import wq_sql`` never imports TensorFlow; the TF shim is ``wq_sql.tf``, the PyTorch one
 ``wq_sql.torch``. The library's parts: ``store/`` (every SQL text and connection), ``worker/``
 (one queue object's runtime), ``monitor/`` (the read-only faces), ``sources/`` (sliced works);
-``docs/design/architecture.md`` draws them.
+``docs/design.md`` ("The map") draws them.
 """
 
 from wq_sql import _moved

@@ -12,7 +12,7 @@ Wall time = from the moment every process is connected and ready until the last 
 (drained). Items/s = N / wall time. Medians of ``--repeats``; every run in a fresh database.
 
     .venv/bin/pip install pgqueuer asyncpg
-    .venv/bin/python bench/peer_pgqueuer.py --procs 1,2,4 --batch 1,32 --n 10000
+    .venv/bin/python bench/peers/pgqueuer.py --procs 1,2,4 --batch 1,32 --n 10000
 """
 
 from __future__ import annotations

@@ -129,8 +129,8 @@ class HotConnection:
     def read(self, fn: Callable[[Any], T]) -> T | Busy:
         """``fn(conn)``, ONE read-only statement in autocommit mode (as :func:`driver_read` runs
         it), on this connection when no other thread uses it: a worker's reads (``poll.Poll``)
-        need no second connection, whose connect and page cache cost a DataLoader worker of
-        ``wq_sql.torch`` ~2 ms of CPU per pass (``bench/torch_phases.py``). Returns :data:`BUSY`
+        need no second connection, whose connect and page cache a DataLoader worker of
+        ``wq_sql.torch`` would pay each pass. Returns :data:`BUSY`
         at once, running nothing, if another thread uses it, or once closed."""
         with self._using() as conn:
             if conn is None:

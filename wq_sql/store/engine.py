@@ -124,9 +124,9 @@ def keep_for_children(url: URL, **options: Any) -> None:
     ``make_engine(url, **options)`` (the DataLoader's main process, ``wq_sql.torch``): make
     that engine now, connect it once so that SQLAlchemy initialises its dialect (server version,
     ...), and keep it without any connection, for :func:`worker_engine` in each forked child.
-    A DataLoader worker otherwise spent 5-7 ms of CPU making its engine and initialising the
-    dialect on its first connection (``bench/torch_phases.py``), every pass unless its workers
-    are persistent. No connection crosses the fork: the kept engine's pool is empty."""
+    A DataLoader worker otherwise makes its engine and initialises the dialect on its first
+    connection, every pass unless its workers are persistent. No connection crosses the fork:
+    the kept engine's pool is empty."""
     key = _spare_key(url, options)
     kept = _spares.get(key)
     if kept is not None and kept[0] == os.getpid():

@@ -42,10 +42,10 @@ NAMING_CONVENTION = {
 # row) and every history row (the queue's row), and that Postgres therefore does not have
 # (migration 0009): each check runs a trigger and takes a KEY SHARE lock on the parent row, and
 # with every worker's acknowledgements locking the one queue row at once, Postgres made a new
-# MultiXact for nearly every claim round (1,957 in 2,000 rounds of 8 workers) and spent about a
-# fifth of a round's server CPU on the checks (bench/pg_hot_keys.py). wq_sql writes these
+# MultiXact for nearly every claim round and spent a large share of a round's server CPU on
+# the checks (docs/design.md, "Tables"). wq_sql writes these
 # columns only from rows it has just read in the same transaction and deletes children before
-# parents (ops.drop_queue), so the constraints only restated what the code does. SQLite keeps
+# parents (statements.drop_queue), so the constraints only restated what the code does. SQLite keeps
 # them: its checks are in-process and lock nothing (a single writer).
 SQLITE_ONLY_FOREIGN_KEYS = ("fk_wq_items_worker_id_wq_workers", "fk_wq_events_queue_id_wq_queues")
 

@@ -306,7 +306,7 @@ def _keyed(pairs: Sequence[tuple[int, int]]) -> Any:
     """The rows among ``(id, token)`` pairs, found by primary key. ``id IN`` too: SQLite plans a
     row-value ``(id, token) IN (...)`` of two or more pairs alone as a scan of every item of the
     queue, all epochs, holding the write lock (a worker's ``close()``, giving back what it
-    claimed ahead: 100-140 ms at 1,000,000 items; ``tests/test_sqlite_write_turns.py``)."""
+    claimed ahead: 100-140 ms at 1,000,000 items; ``tests/sqlite/test_sqlite_write_turns.py``)."""
     return and_(items.c.id.in_([p[0] for p in pairs]), tuple_(items.c.id, items.c.token).in_(list(pairs)))
 
 
@@ -637,9 +637,9 @@ def _progress_sql(sqlite: bool, p: str) -> str:
 
 # What every worker process runs once (registering, the end of its take()s: the poll, the
 # counters) as driver-level texts, not Core statements: each engine has its own compiled cache,
-# so a Core statement is built and compiled afresh in every process, 3-10 ms of CPU each in a
-# DataLoader worker of wq_sql.torch, which opens a queue object per pass unless its workers are
-# persistent (bench/torch_phases.py). Texts by builder, dialect and schema; parameters by name
+# so a Core statement is built and compiled afresh in every process: a DataLoader worker of
+# wq_sql.torch, which opens a queue object per pass unless its workers are persistent, would
+# pay that each pass. Texts by builder, dialect and schema; parameters by name
 # (``:q`` for sqlite3, ``%(q)s`` for psycopg2).
 _TEXTS: dict[tuple[Callable[[bool, str], str], bool, Optional[str]], str] = {}
 

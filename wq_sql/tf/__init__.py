@@ -577,7 +577,7 @@ def _ending_map(ds: tf.data.Dataset, fn: Any) -> Optional[tf.data.Dataset]:
     this TensorFlow has no such map. TF2's public ``map`` turns that error into a failure, to keep
     the dataset's cardinality; the same dataset op with ``preserve_cardinality=False`` is a
     private class (``map_op._MapDataset``, TensorFlow 2.21 here), so it is used only if it exists
-    and takes that keyword (``tests/tf/test_tf_dataset.py`` checks that it is used)."""
+    and takes that keyword (``tests/tf/test_tf_prefetch.py`` checks that it is used)."""
     try:
         from tensorflow.python.data.ops.map_op import _MapDataset
     except ImportError:

@@ -30,8 +30,8 @@ ACK_ITEMS = 4096  # ... or when this many are waiting
 """The items whose last record went into one batch, as ``consumed="trained"`` sends them to the
 trainer: who claimed them (a ``WorkQueue.worker_id``) then each one's ``(id, token)``, flat:
 ``(holder, id, token, id, token, ...)``, ``()`` for none. All the acknowledgement needs, and the
-cheapest to pickle: a batch's ``Handed`` objects (two per item, with the work string twice) cost
-~7 us more to pickle and ~8 us more to load per batch (``bench/torch_threads.py``)."""
+cheapest to pickle: a batch's ``Handed`` objects (two per item, with the work string twice)
+cost more to pickle and to load, every batch."""
 
 
 class Acks:

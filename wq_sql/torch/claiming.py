@@ -134,7 +134,7 @@ class Handed:
 
     def __reduce__(self) -> Any:
         # Positional, not a dataclass's default state dict: every batch carries its items from
-        # the worker process to the trainer (bench/torch_phases.py).
+        # the worker process to the trainer.
         return (Handed, (self.holder, self.item))
 
 
@@ -160,8 +160,8 @@ class Loader:
         # where a round waits for a server (Postgres), which the reading then overlaps. On SQLite
         # a round is CPU work of this process: another thread only moves it, at the price of two
         # rounds for one (half a round inline, the rest in the background) and the thread's
-        # switches; a DataLoader worker reading files is CPU-bound (bench/torch_threads.py, 1,000
-        # x 100-line files: rounds per worker 29-33 -> 15-18, worker CPU above static +31 -> +25 ms).
+        # switches; a DataLoader worker reading files is CPU-bound, so inline it makes about half
+        # the rounds for less CPU.
         # (consumed="taken" is left as it was: one item claimed per take, the core's claim-ahead.)
         self.ahead = not complete_read and not config.in_process()
         self.inline = not complete_read and config.in_process()

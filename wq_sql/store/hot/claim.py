@@ -6,7 +6,7 @@ row: a delivery's one row is written when it ends (here, the ``done`` of an ack)
 ``claimed_at`` and attempt; a delivery in flight is its item row. SQLite's texts are here;
 Postgres' round is the server-side function ``wq_claim_round()``, whose live text is
 ``claim_round.sql`` beside this module (made by migrations 0007 and 0008, which stay frozen;
-``tests/test_claim_texts.py`` checks that the migrated function is that text, and that both
+``tests/migrations/test_claim_texts.py`` checks that the migrated function is that text, and that both
 backends' rounds agree). Why each backend's claim is safe: ``docs/design.md``, "The claim".
 """
 

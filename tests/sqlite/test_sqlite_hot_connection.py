@@ -192,7 +192,7 @@ def test_fork_leaves_no_connection_to_the_child(tmp_path: Path) -> None:
     not use the parent's SQLite connection, opens its own; the parent opens a new one too."""
     db = tmp_path / "f.db"
     out = subprocess.run([sys.executable, "-c", _FORK, f"sqlite:///{db}"], capture_output=True,
-                         text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "ok", out.stderr
     rows = dict(sqlite3.connect(db).execute("SELECT who, conn FROM t").fetchall())
     assert rows == {"child": 0, "parent": 0}

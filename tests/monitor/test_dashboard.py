@@ -30,7 +30,7 @@ from watch_support import (  # noqa: E402
     wait_exhausted,
 )
 
-ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 PASSWORD = "S3cretPw9"
 N, POISON_EVERY = 1200, 100
 WINDOW = 3.0

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from pgcluster import PgCluster  # noqa: E402
 from test_chaos_pg import (  # noqa: E402  (the chaos drain and its checks, reused)
     HEARTBEAT,

@@ -23,8 +23,8 @@ an old snapshot (``measure_old_snapshot``; numbers in BENCHMARKS.md). It is not 
 few thousand claims CI could afford the two are indistinguishable, and the growth it shows is a
 trend, not a pass/fail line::
 
-    .venv/bin/python tests/test_chaos_pg.py --claims 20000 --runs 3
-    .venv/bin/python tests/test_chaos_pg.py --claims 60000 --buffers   # why: buffers per statement
+    .venv/bin/python tests/postgres/test_chaos_pg.py --claims 20000 --runs 3
+    .venv/bin/python tests/postgres/test_chaos_pg.py --claims 60000 --buffers   # why: buffers per statement
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import pytest
 import sqlalchemy as sa
 
 # pgcluster, worker_proc when run as a script
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from deliveries import replay  # noqa: E402
 from pgcluster import PgCluster, PgClusterError  # noqa: E402
 from worker_proc import Proc, make_works, query  # noqa: E402

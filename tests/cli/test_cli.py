@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from wq_sql.store.engine import resolve_url
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cret-Pw"
 
 

@@ -30,7 +30,7 @@ from wq_sql import cli as wq_cli
 from wq_sql.admin import create_queue
 from wq_sql.store.engine import make_engine, resolve_url
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CORE = "S3cr3tPw"
 PASSWORD = f"{CORE}:/@%x"
 

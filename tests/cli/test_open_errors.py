@@ -31,7 +31,7 @@ from wq_sql import DatabaseUnavailable, InvalidInput, WorkQueue, WqSqlError
 from wq_sql import cli as wq_cli
 from wq_sql.admin import create_queue
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "S3cr3tPw"
 # From the call to the exception: a failure to connect is not retried, so this is generous.
 FAST = 2.0
