@@ -1,7 +1,8 @@
 """The public facade: ``WorkQueue`` composes the parts below it (``docs/design.md`` draws the
-map): the database handle (``db.Db``), the hand-out loop (``handout.Dispenser``, with the book
-of claimed items, the claim round, the epoch maker and the refill thread) and the heartbeat
-(``lease.Heartbeat``). Statements live in ``ops`` and ``claim``.
+map): the database handle (``store.db.Db``) and the hot path's port (``store.hot.HotPath``),
+the hand-out loop (``worker.dispenser.Dispenser``, with the book of claimed items, the epoch
+maker and the refill thread), how deliveries end (``worker.outcomes.Outcomes``) and the
+heartbeat (``worker.heartbeat.Heartbeat``). It holds no SQL text of its own.
 """
 
 from __future__ import annotations

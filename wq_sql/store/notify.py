@@ -7,7 +7,7 @@ of the queue. The transaction that makes such a change is followed by :func:`rin
 each process that has waiting workers keeps one :class:`Bell` per database, whose thread hears
 the rings of every process and wakes the waiting takes of that queue (they then look with one
 read-only poll). Polls stay as the safety net, at most every ``poll_seconds`` while the bell is
-live (``Bell.live``), at the worker's own pace otherwise (the wait in ``handout.py``).
+live (``Bell.live``), at the worker's own pace otherwise (the wait in ``worker/dispenser.py``).
 
 - PostgreSQL: ``NOTIFY`` (``pg_notify``, sent in its own short transaction after the change
   committed) and one ``LISTEN`` connection per process, outside the pool. Behind a pooler in

@@ -299,7 +299,7 @@ def _tally(conn: Connection, b: Dialect, qid: int, rows: Iterable[Any], column: 
         conn.execute(stmt)
 
 
-# ---------------------------------------------------------------- acks (the claim round: claim.py)
+# ---------------------------------------------------------------- acks (the claim round: store/hot/claim.py)
 
 
 def _keyed(pairs: Sequence[tuple[int, int]]) -> Any:

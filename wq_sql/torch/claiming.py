@@ -67,7 +67,7 @@ class QueueConfig:
     name: str
     url: str
     schema: Optional[str] = None
-    lease_ahead: Optional[int] = None  # None: sized by the core (pacer.Sizer)
+    lease_ahead: Optional[int] = None  # None: sized by the core (sizing.Sizer)
     options: dict[str, Any] = field(default_factory=dict)  # lease_seconds=, heartbeat_seconds=, ...
 
     def open(self, worker: str, *, auto_complete: bool = False, inline: bool = False) -> WorkQueue:

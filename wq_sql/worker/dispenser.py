@@ -71,7 +71,7 @@ class Rules:
 
     name: str
     worker: str
-    lease_ahead: Optional[int]  # None: sized automatically (pacer.Sizer)
+    lease_ahead: Optional[int]  # None: sized automatically (sizing.Sizer)
     poll_seconds: float
     max_attempts: int
     auto_complete: bool
@@ -120,7 +120,7 @@ class Dispenser:
         # When this worker's next heartbeat is due (set once the heartbeat runs): a poll due
         # shortly before it waits for it instead (_poll_until).
         self.beat_due: Callable[[], Optional[float]] = lambda: None
-        # The heartbeat's renewal that a claim round may carry (lease.Heartbeat.carry), asked
+        # The heartbeat's renewal that a claim round may carry (heartbeat.Heartbeat.carry), asked
         # with the usual spacing of this worker's rounds (seconds, smoothed; None until known).
         self.beat_carry: Callable[[Optional[float], Callable[[], tuple[set[int], int]]],
                                   Optional[Carry]] = lambda gap, held: None
@@ -304,7 +304,7 @@ class Dispenser:
 
     def ride_beat(self) -> Optional[Callable[[Peek], None]]:
         """For the heartbeat, before its renewal: while a take waits, the poll rides on the
-        renewal (one statement, ``renewal.Renewal``), and once it committed the waiting takes
+        renewal (one statement, ``renew.Renewal``), and once it committed the waiting takes
         count it as their poll. A waiting worker's heartbeats then take no transaction of their
         own on top of its polls: one transaction per ``poll_seconds`` in all
         (bench/cluster_scale.py idle). Returns what takes the poll, or None: no take waits."""

@@ -178,7 +178,7 @@ class Heartbeat:
     ``superseded()`` is called once another process took this identity over; ``returned()``
     whenever items went back to the queue; ``idle(heartbeat_seconds)`` after each renewal (the
     owner gives back items claimed ahead that its consumer stopped asking for); ``ride()``
-    before each renewal: None, or a function that takes the poll (``look.Peek``) that rode on
+    before each renewal: None, or a function that takes the poll (``poll.Peek``) that rode on
     the renewal instead of taking a transaction of its own (a waiting take's poll:
     ``Dispenser.ride_beat``), called once the renewal committed. The renewal is one statement
     (``HotPath.renew``). The thread holds this object weakly: when its owner is collected,

@@ -3,7 +3,7 @@
 A :class:`Dialect` answers in SQL expressions (the clock, upserts, array parameters) or in
 plain facts (which driver errors are transient, how large an epoch chunk is, what a fork does to
 inherited connections). Modules above it ask it instead of branching on the backend's name; the
-claim round (``claim.py``) keeps its two statement texts side by side and names its dialect once.
+claim round (``store/hot/claim.py``) keeps its two statement texts side by side and names its dialect once.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Dialect:
         return {} if self.is_sqlite else {"isolation_level": "REPEATABLE READ"}
 
     def commit_horizon(self, conn: Connection) -> Optional[tuple[int, int]]:
-        """For readers that follow a table by its id (``watch.HistoryCounts``): ids are taken when
+        """For readers that follow a table by its id (``snapshot.HistoryCounts``): ids are taken when
         a row is inserted and become visible when its transaction commits, not in id order.
 
         SQLite: None, ids are visible in order (one writer at a time, from ``BEGIN IMMEDIATE``

@@ -2,13 +2,13 @@
 
 ``close()`` is one write transaction: the claim round acknowledges the items handed out (a
 round that claims nothing), then this module gives back the items still held, with their
-``release`` history rows, and marks the worker closed. On SQLite every writer of the machine
-waits while a write transaction holds its turn of the writers' queue, and SQLAlchemy's
-statements built, compiled and run for the first time in a process held it 4-21 ms per
-``close()`` (8 workers on 2 cores, load 1.3-2.4; 30-67 ms at load 5-7): a roll-over's workers
-all stalled behind each closing worker. As driver-level texts: no statement is compiled there.
-Same rows as ``ops.release`` and ``ops.close_worker`` (``tests/contract/test_semantics.py`` checks the
-history both write).
+``release`` history rows, and marks the worker closed (``HotPath.leave``). On SQLite every
+writer of the machine waits while a write transaction holds its turn of the writers' queue;
+SQLAlchemy's statements, built and compiled for the first time in a process, would hold it that
+much longer, and a roll-over's workers all stalled behind each closing worker. As driver-level
+texts nothing is compiled there. Same rows as ``statements.release`` and
+``statements.close_worker`` (``tests/contract/test_semantics.py`` checks the history both
+write).
 """
 
 from __future__ import annotations

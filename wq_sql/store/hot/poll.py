@@ -48,7 +48,7 @@ class Poll:
         # Index probes only: pending and claimed rows have partial indexes; the tallies are a
         # row per (epoch, worker). Parameters, in order: the queue id three times, the worker
         # id, the queue id twice. Named columns: the heartbeat's renewal reads the statement as
-        # a derived table (renewal.Renewal).
+        # a derived table (renew.Renewal).
         # Once the tallies count every item of every epoch finished, nothing is pending or
         # claimed, and the three probes are skipped (CASE evaluates a subquery only when its
         # branch is taken). That is the read that learns the end, right after the last
@@ -70,7 +70,7 @@ class Poll:
             f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
             f"WHERE q.id = {mark}")
         # The read that rings the end (read_ringing), Postgres only. The state as text in the
-        # order of Peek's news: "end finished failed num_epochs" (handout.END).
+        # order of Peek's news: "end finished failed num_epochs" (dispenser.END).
         self._ringing = (
             "SELECT l.pending, l.expired, l.mine, l.finished, l.failed, l.epochs_created, l.num_epochs, "
             "CASE WHEN l.finished >= %s AND l.num_epochs = %s THEN pg_notify(%s, %s::text || 'end ' || "
@@ -81,7 +81,7 @@ class Poll:
                      channel: str, head: str) -> Peek:
         """Postgres: :meth:`read`, and if it finds the queue finished (``total`` items of
         ``num_epochs`` epochs), the ring of its end in the same statement: ``pg_notify`` on
-        ``channel`` with ``head`` and the counts (``handout.END``'s news; ``bell.notify_args``).
+        ``channel`` with ``head`` and the counts (``dispenser.END``'s news; ``notify.notify_args``).
         At the end of a drain the last worker's read and ring were two round trips in a row,
         the ring another connection checkout and commit, on every waiting worker's path."""
         cur = conn.cursor()

@@ -2,7 +2,7 @@
 
 Every ``heartbeat_seconds`` each worker refreshes its row and the leases of the items it holds;
 while one of its takes waits, the wait's poll (``poll.Poll``) rides in the same transaction, and
-on its first beat the count of the host's live workers (``lease.looks_this_beat``) too. Through
+on its first beat the count of the host's live workers (``heartbeat.looks_this_beat``) too. Through
 SQLAlchemy that was a transaction of four round trips (``BEGIN`` with the timeouts, two
 ``UPDATE``s, ``COMMIT``) and 1.4-1.8 ms of CPU per beat; behind a transaction pooler the server
 connection stayed held for all four and the client's time between them. With 2,000 workers in
@@ -14,7 +14,7 @@ On Postgres the renewal is now ONE statement (the updates as data-modifying CTEs
 reads as columns of its result), sent with the transaction's timeouts as one simple query in
 autocommit mode (``Db.driver_round``): the pooler holds a server connection for the server's
 time only. On SQLite, the same steps as separate statements in one write transaction. Same rows
-as ``ops.renew`` wrote before.
+as ``statements.renew`` wrote before.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Renewed:
 @dataclass
 class Carry:
     """A renewal that a claim round carries instead of the heartbeat's own transaction
-    (``lease.Heartbeat.carry``): this incarnation's worker row and the leases of ``tokens``
+    (``heartbeat.Heartbeat.carry``): this incarnation's worker row and the leases of ``tokens``
     (the items held when the round began; the round's own acks are left out by id, its claims
     come with fresh leases). The round sets ``alive``: True when it renewed, False when another
     process holds the identity (nothing renewed; the heartbeat's own beat then finds it out)."""
