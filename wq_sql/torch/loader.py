@@ -1,5 +1,6 @@
-"""``DataLoader``: torch's, plus the trainer side of the hand-out/ack path (``acks``; the loader side is ``claiming``) and the
-loader state of checkpoint-consistent resume (``state_dict`` / ``load_state_dict``)."""
+"""``DataLoader``: torch's, plus the trainer side of the hand-out/ack path (``acks``; the loader
+side is ``claiming``) and the loader state of checkpoint-consistent resume (``state_dict`` /
+``load_state_dict``)."""
 
 from __future__ import annotations
 
