@@ -2,7 +2,7 @@
 """A real PostgreSQL HA pair on this one machine: etcd, and Patroni managing a primary and a
 synchronous streaming standby of PostgreSQL 15, all on free ports of 127.0.0.1, all data in one
 temporary directory. wq_sql's failover drill (``bench/failover.py``, ``make failover``) runs on
-it; ``docs/failover.md`` explains the settings it uses and why they matter in production.
+it; ``docs/operations/failover.md`` explains the settings it uses and why they matter in production.
 
     python3 scripts/ha_cluster.py check          # start, show, tear down (about 20 s)
     python3 scripts/ha_cluster.py up             # start and leave running; prints the URL and the dir
@@ -46,7 +46,7 @@ PACKAGES = {"patroni": "patroni", "etcd": "etcd-server"}  # executable -> Debian
 SCOPE = "wq_sql_ha"
 
 # Patroni's timing, chosen for a drill on one machine (production defaults: ttl 30, loop_wait 10,
-# retry_timeout 10; see docs/failover.md). ttl: how long the leader key lives without renewal (a
+# retry_timeout 10; see docs/operations/failover.md). ttl: how long the leader key lives without renewal (a
 # whole node lost is noticed after this); loop_wait: the pause between two HA cycles (a crashed
 # postmaster is noticed within this); retry_timeout: how long etcd and PostgreSQL operations
 # are retried before Patroni demotes a primary it cannot confirm.
@@ -322,7 +322,7 @@ class HACluster:
                 "remove_data_directory_on_rewind_failure": True,
                 "remove_data_directory_on_diverged_timelines": True,
             },
-            "watchdog": {"mode": "off"},  # no /dev/watchdog here; see docs/failover.md
+            "watchdog": {"mode": "off"},  # no /dev/watchdog here; see docs/operations/failover.md
             "tags": {"nofailover": False, "noloadbalance": False, "clonefrom": False, "nosync": False},
         }
 

@@ -812,12 +812,13 @@ def test_every_keyword_of_workqueue_is_documented_in_its_docstring() -> None:
 
 
 def test_the_readme_logging_recipe_shows_info_events(db_url: str) -> None:
-    """The README's snippet, run as written, shows a lease expiry (INFO) from the ``wq_sql`` logger."""
+    """The user guide's snippet, run as written, shows a lease expiry (INFO) from the ``wq_sql``
+    logger."""
     import re
 
     from backends import ROOT, run_py
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "guide" / "work-queue.md").read_text(encoding="utf-8")
     recipe = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if 'getLogger("wq_sql")' in b)
     code = recipe + """
 import sys
