@@ -15,8 +15,8 @@ from typing import Any, Callable, Generic, Optional, TypeVar, Union
 from wq_sql.errors import InvalidInput
 
 Work = Union[str, bytes]
-# epoch_order(breathe=): swaps, and indexes of the initial array, between two calls (about
-# 0.3 ms and 1 ms of the GIL each on this machine's cores).
+# epoch_order(breathe=): swaps, and indexes of the initial array, between two calls (each run
+# between two calls a short hold of the GIL, well under Python's switch interval).
 SHUFFLE_SLICE, FILL_SLICE = 1024, 16384
 
 
@@ -122,8 +122,8 @@ def epoch_order(n: int, epoch: int, shuffle: bool, seed: int, *,
 
     ``breathe``: for a background thread, called after every ``SHUFFLE_SLICE`` swaps and every
     ``FILL_SLICE`` indexes of the initial array, to hand the GIL to the process's other threads
-    (a million works are a third of a second of pure Python, and ``array("i", range(n))`` alone
-    holds the GIL for 60-80 ms, one C call that no thread switch interrupts).
+    (a million works are a long run of pure Python, and ``array("i", range(n))`` alone is one C
+    call that holds the GIL throughout: no thread switch interrupts it).
 
     >>> list(epoch_order(4, 0, False, 7))
     [0, 1, 2, 3]

@@ -494,7 +494,7 @@ class WorkQueue:
             # Outside the lock: a claim in flight needs it to finish. The threads are told to
             # stop here and joined after the leave's round trip, not before it: at the end of a
             # drain every worker closes at once, and each join waited for a thread to get a
-            # core (bench/long_tail.py).
+            # core.
             d.stop_refills(join=False)
             d.epochs.stop(timeout=self._opts.busy_timeout)
         try:

@@ -45,9 +45,9 @@ def driver_transaction(engine: Engine,
     """A write transaction on a pooled connection, used through the driver itself (sqlite3 or
     psycopg2): the claim round on SQLite (on Postgres it is one query: :func:`driver_statement`)
     and acknowledgements outside a round, where SQLAlchemy's per-connection and per-statement
-    machinery cost as much as SQLite's own work (``bench/claim_throughput.py``). SQLite: ``BEGIN
-    IMMEDIATE`` first, as for every write transaction here; psycopg2 begins on the first
-    statement. Commits on success; rolls back otherwise. Driver errors come out as SQLAlchemy's
+    machinery cost as much as SQLite's own work. SQLite: ``BEGIN IMMEDIATE`` first, as for
+    every write transaction here; psycopg2 begins on the first statement. Commits on success;
+    rolls back otherwise. Driver errors come out as SQLAlchemy's
     ``DBAPIError`` (``connection_invalidated`` set, and the connection dropped from the pool, when
     it is gone), as from ``Connection.execute``, so the callers' retry logic is the same.
 
@@ -85,9 +85,9 @@ class HotConnection:
     path (the claim round, acknowledgements: ``Db.driver_tx``), used by whichever thread finds it
     free. Through the pool, each round paid a checkout and a check-in (with its reset), and
     consecutive rounds alternated between the pool's connections, so each found the other's
-    commit and SQLite dropped its page cache: ~100 us of CPU per round at lease-ahead 1, a third
-    of a ``take()`` (``bench/claim_throughput.py``). A thread that finds it taken (the refill
-    thread during a take's round) uses the pool as before.
+    commit and SQLite dropped its page cache: a cost every round paid, which at lease-ahead 1
+    is every ``take()``. A thread that finds it taken (the refill thread during a take's round)
+    uses the pool as before.
 
     The connection is made by the pool (its connect hook sets WAL, ``isolation_level``, ...) and
     then detached from it, so the pool keeps its whole capacity for the other threads. Fork

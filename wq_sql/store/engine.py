@@ -89,12 +89,12 @@ def make_engine(url: URL, *, schema: Optional[str] = None, busy_timeout: float =
 
     SQLite, ``autocheckpoint=False``: commits never copy the WAL into the database file (SQLite
     does that in the commit that crosses 1,000 WAL pages, fsync included: a claim that happens
-    to be that commit took up to a second here); the engine's owner checkpoints from a
+    to be that commit waits for the whole copy); the engine's owner checkpoints from a
     background thread instead (``WorkQueue``'s heartbeat thread, every second).
 
     SQLite, ``lock_slice``: a statement waits at most this long for the write lock (SQLite's busy
     handler sleeps 1, 2, 5 ms ... then 100 ms at a time, so under a saturated lock a waiter that
-    reached 100 ms naps starved for seconds here while fresher waiters took turns); the caller
+    reached 100 ms naps can starve while fresher waiters take turns); the caller
     retries every few ms up to ``busy_timeout`` (``WorkQueue._retrying``). Default: the busy
     handler waits up to ``busy_timeout`` itself.
 

@@ -59,8 +59,9 @@ def alembic_config(connection: Optional[Connection] = None, schema: Optional[str
 @functools.lru_cache(maxsize=1)
 def head_revision() -> str:
     """The newest shipped revision. Read once per process (and inherited by forked children):
-    loading the scripts cost 8-10 ms of each queue object's opening, in every DataLoader worker
-    (``bench/torch_loader.py``); the shipped scripts do not change while the process runs."""
+    loading the scripts (Alembic imports every migration file) would otherwise be part of each
+    queue object's opening, in every DataLoader worker; the shipped scripts do not change while
+    the process runs."""
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None
     return head
@@ -103,12 +104,13 @@ def _where(engine: Engine, schema: Optional[str]) -> str:
 
 def _plain_revision(engine: Engine, schema: Optional[str]) -> Optional[str]:
     """The revision by one plain read (every queue object's opening, in every process: Alembic's
-    ``MigrationContext`` took 5-6 ms of it in a DataLoader worker, ``bench/torch_loader.py``), or
-    None when that read fails or is not one row: then :func:`current_revision` decides."""
+    ``MigrationContext`` sets up a migration environment to read one row), or None when that
+    read fails or is not one row: then :func:`current_revision` decides."""
     table = f"{qualifier(schema)}alembic_version"
     try:
         # One driver-level statement, its own read transaction (SQLAlchemy's connection, BEGIN
-        # and ROLLBACK around it were a third of this read in a forked DataLoader worker).
+        # and ROLLBACK around it would add round trips and Python to every forked DataLoader
+        # worker's read).
         with driver_read(engine) as (conn, prefix):
             cur = conn.cursor()
             try:

@@ -348,7 +348,7 @@ class _NotifyBell(_Bell):
         """A listening connection that was proven to hear, or None (a transaction pooler)."""
         # A new connection, not the pool's idle one: that one has the claim round planned
         # (ClaimRound.warm), and taking it made the pool open another for the next round, which
-        # planned it again (~3 ms to connect, ~5 ms to plan). recreate(): the same connect
+        # paid to connect and to plan it again. recreate(): the same connect
         # arguments and events, in a pool of its own, from which the connection is detached.
         fairy = self.via.pool.recreate().connect()
         fairy.detach()  # ours: closed when this bell is done with it

@@ -127,7 +127,7 @@ _QUEUE_COLUMNS = [f.name for f in QueueRow.__dataclass_fields__.values()]
 def queue_row(conn: Connection, name: str) -> Optional[QueueRow]:
     """The queue ``name``'s row, or None: every queue object's opening, in every process (a
     driver-level text, as below: a Core ``SELECT`` of the row was compiled afresh in each
-    DataLoader worker, 3-4 ms of its CPU)."""
+    DataLoader worker)."""
     row = conn.exec_driver_sql(_text(conn, _queue_row_sql), {"n": name}).first()
     if row is None:
         return None
@@ -305,8 +305,8 @@ def _tally(conn: Connection, b: Dialect, qid: int, rows: Iterable[Any], column: 
 def _keyed(pairs: Sequence[tuple[int, int]]) -> Any:
     """The rows among ``(id, token)`` pairs, found by primary key. ``id IN`` too: SQLite plans a
     row-value ``(id, token) IN (...)`` of two or more pairs alone as a scan of every item of the
-    queue, all epochs, holding the write lock (a worker's ``close()``, giving back what it
-    claimed ahead: 100-140 ms at 1,000,000 items; ``tests/sqlite/test_sqlite_write_turns.py``)."""
+    queue, all epochs, holding the write lock for a time that grows with the queue (a worker's
+    ``close()``, giving back what it claimed ahead; ``tests/sqlite/test_sqlite_write_turns.py``)."""
     return and_(items.c.id.in_([p[0] for p in pairs]), tuple_(items.c.id, items.c.token).in_(list(pairs)))
 
 

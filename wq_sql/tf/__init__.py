@@ -369,10 +369,9 @@ class WorkQueue:
 
         pulls = tf.data.Dataset.from_tensors(0).repeat()
         # The end as the take's OutOfRangeError where tf.data allows it (a map that ends there):
-        # one function less to instantiate than with take_while's predicate, ~3.7 ms less CPU
-        # in the thread that makes each new iterator and its first batch 6-9 ms sooner (13.3 ->
-        # 9.7 ms; a plain TextLineDataset's iterator ~7 ms; BENCHMARKS.md, helper branch
-        # tfgap). Otherwise the public form: an empty hand-out, cut by take_while.
+        # one function less to instantiate than with take_while's predicate, so less CPU in the
+        # thread that makes each new iterator, and its first batch sooner. Otherwise the public
+        # form: an empty hand-out, cut by take_while.
         ds = _ending_map(pulls, take_or_end)
         if ds is None:
             ds = pulls.map(take).take_while(not_end)

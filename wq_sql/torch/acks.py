@@ -86,9 +86,8 @@ class Acks:
     def _send_soon(self) -> None:
         """consumed="trained", during a pass: the acknowledgement's transaction runs in a
         background thread, one at a time and in order, so that the training loop does not wait
-        for its commit (on Postgres a WAL flush: 4-20 ms of the main thread, three times per
-        pass of ``bench/torch_loader.py``). :meth:`flush` (a pass's end or break) waits for them;
-        an error is raised by the next call here or there."""
+        for its commit (on Postgres a WAL flush, a wait for the disk). :meth:`flush` (a pass's
+        end or break) waits for them; an error is raised by the next call here or there."""
         self._sent = time.monotonic()
         due, self._due, self._due_n = self._due, [], 0
         if self._sender is None:

@@ -259,7 +259,7 @@ class Loader:
 
     def _last_take(self) -> list[WorkItem]:
         """Nothing was claimable: stop the refill thread, then take what a refill in flight
-        claimed meanwhile (issue 13: never leave an item in a buffer nobody looks at). Only from
+        claimed meanwhile (never leave an item in a buffer nobody looks at). Only from
         the buffer: another claim round (with the end-of-queue reads and the expiry sweep that
         follow an empty one) would cost each worker a few milliseconds at each pass end."""
         q = self.queue

@@ -166,8 +166,8 @@ def _freeze_inherited_heap() -> None:
     """Once per DataLoader worker process: move the objects it has now (what it inherited from the
     main process, torch and all) to the garbage collector's permanent generation (``gc.freeze``),
     so that its full collections do not walk them. Opening a queue allocates enough long-lived
-    objects to trigger one, and walking a forked heap touches (and copies) every page of it:
-    210-230 ms per worker, each pass (measured, ``bench/torch_loader.py``)."""
+    objects to trigger one, and walking a forked heap touches (and copies) every page of it, in
+    every worker, each pass."""
     if os.getpid() not in _frozen:
         _frozen.add(os.getpid())
         gc.freeze()

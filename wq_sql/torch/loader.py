@@ -203,7 +203,7 @@ class _Collate:
     """Runs in the process that makes the batch: the user's collate function, then the items
     whose last record went into this batch (the loader side's ``Loader.drain``), wrapped with it in
     a :class:`_Batch`; a batch that ends no item goes as the collated data alone (with 1,000-record
-    files and batches of 256, three batches in four: ~3 us less per batch to pickle and load)."""
+    files and batches of 256, three batches in four: less to pickle and load per batch)."""
 
     def __init__(self, fn: Callable[[Any], Any], passes: QueuePasses) -> None:
         self.fn, self.passes = fn, passes

@@ -38,8 +38,9 @@ class WorkItem(str):
         return (self.item_id, self.token)
 
     def __reduce__(self) -> Any:
-        # Plain values: a Claimed (a dataclass) in the pickle made it ~5x dearer to load, and
-        # wq_sql.torch pickles every item a DataLoader worker hands to the trainer.
+        # Plain values: a Claimed (a dataclass) in the pickle makes it dearer to load (one more
+        # object to rebuild per item), and wq_sql.torch pickles every item a DataLoader worker
+        # hands to the trainer.
         return (_work_item, (str(self), self.work, self.epoch, self.seq, self.item_id, self.token,
                              self.attempts))
 

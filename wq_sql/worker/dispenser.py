@@ -137,8 +137,8 @@ class Dispenser:
 
     def take(self, deadline: Optional[float]) -> WorkItem:
         """``WorkQueue.take``: :meth:`take_many` of one item, with the common case, an item in
-        the buffer, in one short path (a ``take()`` at lease-ahead 32 is most of the Python of a
-        claim loop: bench/claim_throughput.py)."""
+        the buffer, in one short path (with items claimed ahead, most of a claim loop's Python is
+        its ``take()`` calls, not its rounds)."""
         with self.lock:
             book = self.book
             if book.buffer and not (self.closed or self.superseded):
@@ -166,9 +166,8 @@ class Dispenser:
         # Hear the rings before the wait at the end, not from its start: at the end of a drain
         # every worker waits at once, and each one's listener connecting and proving it hears
         # then (on Postgres a new server connection, a probe NOTIFY and its own commit) took the
-        # machine's cores at the moment the last items' ends had to be heard
-        # (bench/long_tail.py). Not for a take that never waits (a deadline: wq_sql.torch's
-        # timeout=0, see _wait).
+        # machine's cores at the moment the last items' ends had to be heard. Not for a take
+        # that never waits (a deadline: wq_sql.torch's timeout=0, see _wait).
         if deadline is None and self._deafen is None and self.sizer.dry_within(LISTEN_AHEAD):
             self._listen()
 
@@ -242,14 +241,14 @@ class Dispenser:
             # IDLE_PACES of its intervals after this worker's last hand-out, then the polls back
             # off to poll_seconds: a worker that took a few items in a burst (items given back
             # or released, claimed in quick rounds) polled every 20 ms for as long as the others
-            # held items (bench/cluster_scale.py idle: 40 polls/s from one worker).
+            # held items.
             paced, last = self.pace.interval, self.pace.last
             cap = (self.rules.poll_seconds if notify.live(db.engine) or paced is None or last is None
                    or time.monotonic() - last > IDLE_PACES * paced else
                    min(self.rules.poll_seconds, max(pause, paced)))
             # Jittered while backing off (waiters started together drift apart), then every
             # ``cap``, spaced with the heartbeat's polls: at most one transaction per worker per
-            # poll_seconds, its renewals included (bench/cluster_scale.py idle).
+            # poll_seconds, its renewals included.
             now = time.monotonic()
             due = self.beat_due()
             next_poll = (now + pause * (0.5 + random.random()) if pause < cap else
@@ -285,7 +284,7 @@ class Dispenser:
                 peek = self._look(poll=True)
             if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
                 # The end, as _fill() would find it, without its claim round and read: at the end
-                # of a drain every waiting worker gets here at once (bench/cluster_scale.py tail).
+                # of a drain every waiting worker gets here at once.
                 raise QueueExhausted(self.rules.name, peek.finished - peek.failed, peek.failed)
             if (peek.pending or peek.expired or peek.finished >= self.extent.total
                     or peek.epochs_created != self.epochs.created):
@@ -306,8 +305,8 @@ class Dispenser:
         """For the heartbeat, before its renewal: while a take waits, the poll rides on the
         renewal (one statement, ``renew.Renewal``), and once it committed the waiting takes
         count it as their poll. A waiting worker's heartbeats then take no transaction of their
-        own on top of its polls: one transaction per ``poll_seconds`` in all
-        (bench/cluster_scale.py idle). Returns what takes the poll, or None: no take waits."""
+        own on top of its polls: one transaction per ``poll_seconds`` in all. Returns what
+        takes the poll, or None: no take waits."""
         if not self.waiting or self.closed or os.getpid() != self.pid:
             return None
         at = time.monotonic()  # before the read: a wait that began after it does not use it
@@ -339,7 +338,7 @@ class Dispenser:
         """From the bell's thread: this queue rang. A waiting take polls at once, unless the
         ring said the queue is finished (``news`` from :meth:`ring_end`): then it ends without
         a poll. At the end of a drain every waiting worker used to poll at the same moment, on
-        Postgres one round trip each while the others closed (``bench/long_tail.py``)."""
+        Postgres one round trip each while the others closed."""
         end = _end_news(news)
         if end is not None:
             self.end_heard = (self.rings + 1, end)  # before the count: a waiter reads both
@@ -542,7 +541,7 @@ class Dispenser:
         # One read-only statement (the waiting take's poll): the counters, the epochs, and
         # whether any lease ran out. Only then a write transaction returns expired items: at
         # the end of a drain every worker gets here once, and an expiry sweep that finds
-        # nothing took SQLite's writers' queue as often (bench/long_tail.py).
+        # nothing took SQLite's writers' queue as often.
         peek, rang = self._look_end(not self._rang_end)
         if peek.num_epochs != self.extent.num_epochs:  # another worker called extend_epochs()
             self.extent.num_epochs = peek.num_epochs
@@ -644,7 +643,7 @@ class Dispenser:
         """For the heartbeat: the tokens of the items held, and how many are buffered; None once
         closed (or in a forked child that has not re-registered yet)."""
         # close() joins the heartbeat while holding the lock: once it is stopping, stop waiting
-        # for the lock, or close() stalls for the whole join timeout (bench/long_tail.py).
+        # for the lock, or close() stalls for the whole join timeout.
         while not self.lock.acquire(timeout=0.05):
             if stop.is_set():
                 return None

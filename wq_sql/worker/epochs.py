@@ -25,9 +25,9 @@ log = logging.getLogger("wq_sql")
 MAKER_PAUSE, MAKER_PAUSE_MIN = 9.0, 0.01
 # Between two slices of its shuffle (plan.epoch_order's breathe), the background maker waits up
 # to SHUFFLE_WAIT seconds while a write transaction of its process is in flight, then sleeps
-# SHUFFLE_BREATHE seconds: the worker's other threads get the GIL within a slice (~0.3 ms), not
-# 5 ms, and no transaction of its process holds SQLite's writers' queue while it waits for the
-# GIL (bench/scale.py rollover).
+# SHUFFLE_BREATHE seconds: the worker's other threads get the GIL after every slice, not only
+# at Python's switch interval, and no transaction of its process holds SQLite's writers' queue
+# while it waits for the GIL.
 SHUFFLE_WAIT, SHUFFLE_BREATHE = 0.05, 50e-6
 
 

@@ -147,7 +147,7 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> 
             log.warning("queue %r: %s; the %d item(s) it held went back to the queue", queue, why, n)
         total += n
     # A write transaction (on SQLite a turn of the machine's write lock) only when the read saw
-    # an expired lease: most looks find none (bench/cluster_scale.py idle counts them).
+    # an expired lease: most looks find none.
     n = db.expire_tx(lambda c: statements.expire(c, d, qid, max_attempts), default=0) if expired else 0
     if n:
         log.info("queue %r: %d item(s) whose lease expired went back to the queue", queue, n)
@@ -215,10 +215,10 @@ class Heartbeat:
         it when the next beat is due within the period's last ``CARRY_WINDOW`` and the worker's
         next round is not expected before then (``gap``: its rounds' usual spacing, seconds;
         None: not known yet); the beat then renews nothing itself (one transaction less per
-        period for a worker that claims about as often as it beats: at 2,000 workers with 5 s
-        items, as many renewals as claims went through the pooler). Never the first beat (it
-        counts the host's workers). ``held()``: the tokens held and how many are buffered,
-        read only when the round carries."""
+        period for a worker that claims about as often as it beats, which would otherwise send
+        as many renewals as claims). Never the first beat (it counts the host's workers).
+        ``held()``: the tokens held and how many are buffered, read only when the round
+        carries."""
         due, t = self.due, self.terms
         if due is None or gap is None or self.on_host is None or self.stop_event.is_set():
             return None
@@ -246,8 +246,8 @@ class Heartbeat:
         polled = self._ride()
         # The first beat counts this host's workers instead of looking at once: workers that
         # start together beat together, and N first looks at the same moment read N x N worker
-        # rows and check every pid of the host in each (the 200-worker long tail's ~1 s takes:
-        # bench/cluster_scale.py tail).
+        # rows and check every pid of the host in each, all at once, while those workers' takes
+        # wait for the database.
         host = hostname() if self.on_host is None else None
         r = self.hot.renew(me.worker_id, me.incarnation, sorted(tokens), t.lease_seconds, t.max_item_seconds,
                            buffered, poll=polled is not None, host=host)

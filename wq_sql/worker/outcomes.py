@@ -171,8 +171,8 @@ class Outcomes:
                     failing=[i.key for i in failing], error=error, max_attempts=d.rules.max_attempts))
             elif not acks:  # the usual close(): the last round acknowledged everything
                 # Acknowledging nothing, the leave commits without waiting for the WAL flush
-                # (Postgres; at the end of a drain every worker's leave waited 4-8 ms for one, at
-                # once, on a disk busy with other writes: bench/long_tail.py). Losing it in a
+                # (Postgres; at the end of a drain every worker leaves at once, and each leave's
+                # flush would wait on a disk busy with the others' writes). Losing it in a
                 # server crash is harmless: the worker row keeps its last heartbeat and the
                 # items given back stay claimed, the state of a worker SIGKILLed just before
                 # close(), which its peers recover from once its heartbeat is stale (the chaos

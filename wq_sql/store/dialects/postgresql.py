@@ -138,7 +138,7 @@ def make_engine(url: URL, *, schema: Optional[str], statement_timeout: Optional[
         opts["schema_translate_map"] = {None: schema}
     # LIFO: a thread's consecutive rounds get the connection it just returned, whose server
     # backend has planned wq_claim_round() (ClaimRound.warm); first-in-first-out alternated
-    # between the pool's connections, and each one's first round planned it again (~5 ms).
+    # between the pool's connections, and each one's first round paid to plan it again.
     engine = create_engine(url, pool_size=pool_size, max_overflow=0, pool_pre_ping=False, pool_use_lifo=True,
                            execution_options=opts, connect_args=connect_args)
     if timeouts is not None:

@@ -159,7 +159,7 @@ class WriterQueue:
     in front of ``BEGIN IMMEDIATE``: :meth:`turn` returns when every write transaction that asked
     before it has ended, so SQLite's single write lock is free when it is taken (SQLite's busy
     handler is unfair: a waiter sleeps with backoff, up to 100 ms, and newcomers barge past it,
-    so under a saturated lock a few writes waited hundreds of ms).
+    so under a saturated lock a few writes wait far longer than the others).
 
     A ticket lock on open-file-description (OFD) byte-range locks of ``<db>-wqturns``: under the
     lock on byte 0, a writer reads the ticket counter t from the file, locks byte ``1 + t`` (its
@@ -313,7 +313,8 @@ def _take_turn(fd: int) -> None:
     # ahead, then every one before it (at once, unless one died while waiting: its byte was free
     # before its turn came), then the one just ahead: so the moment that one's turn ends, this
     # one's begins, with no further call (each call lets the process's other threads take the
-    # GIL, which a busy one, e.g. the epoch maker's shuffle, keeps for up to 5 ms).
+    # GIL, which a busy one, e.g. the epoch maker's shuffle, keeps for up to Python's switch
+    # interval).
     if ticket and _try_lock(fd, fcntl.F_RDLCK, _FIRST, ticket):
         return  # nobody ahead (no wait: one call)
     if ticket >= 2:

@@ -56,8 +56,8 @@ class ClaimRound:
         self.b, self.n, self.lease = b, n, float(lease_seconds)
         # Postgres: the lowest (epoch, seq) this worker claimed last round. Claimed and done rows
         # leave dead entries in the pending index until VACUUM, all at its low end (claims go in
-        # order), and a scan from the start steps over every one of them: at 90% of a 300k drain,
-        # a thousand index pages per claim. So the claim starts at the floor (one index descent),
+        # order), and a scan from the start steps over every one of them: late in a large drain,
+        # many index pages per claim. So the claim starts at the floor (one index descent),
         # and looks below it (in the same round) when that finds too few rows,
         # and from the start every FULL_SCAN_EVERY rounds: that is how items that went back to the
         # queue below the floor are found; no scan below when the floor found enough.
@@ -76,14 +76,14 @@ class ClaimRound:
                 f"AND wq_items.state = '{CLAIMED}' "
                 "RETURNING id, epoch, seq, token, done_at, claimed_at, attempts")
             # The done rows as one multi-row INSERT, each stamped with its item's own done_at and
-            # claimed_at (so row and item agree): 2.1 us per row here against 3.6 us for
-            # executemany() with a strftime() per row.
+            # claimed_at (so row and item agree): one statement, and no strftime() per row as
+            # executemany() would need.
             self._events = (
                 "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at, "
                 f"claimed_at, attempt) SELECT ?, column1, column2, column3, '{EV_DONE}', ?, column4, "
                 "column5, column6, column7 FROM (VALUES {rows})")
             # One ack, one done row (the round of lease_ahead 1): the plain forms, without the
-            # VALUES table to join (~5 us of the ack's ~30 us here, bench/claim_throughput.py).
+            # VALUES table to build and join for a single row.
             self._ack1 = (
                 f"UPDATE wq_items SET state = '{DONE}', done_at = {SQLITE_NOW}, lease_until = NULL "
                 f"WHERE id = ? AND token = ? AND state = '{CLAIMED}' "
@@ -114,10 +114,10 @@ class ClaimRound:
     def warm(self, conn: Any, prefix: str) -> None:
         """Postgres: plan every statement of ``wq_claim_round()`` on this server connection (a
         call for queue -1, which has no rows: nothing is read or written), so that the worker's
-        first rounds do not plan them. Its first call on a connection took ~5 ms of the server's
-        CPU against ~0.2 ms once planned; the 8 workers of ``bench/long_tail.py`` starting at
-        once queued 25-34 ms for their first item behind each other's planning. ``conn``, ``prefix``:
-        as :meth:`run`'s (``Db.driver_round``). SQLite: nothing (no plans kept across rounds)."""
+        first rounds do not plan them. A first call on a connection costs the server far more
+        CPU than a planned one, and workers that start at once would queue for their first item
+        behind each other's planning. ``conn``, ``prefix``: as :meth:`run`'s
+        (``Db.driver_round``). SQLite: nothing (no plans kept across rounds)."""
         if self.b.is_sqlite:
             return
         none = pg_bigints([-1])  # no such item

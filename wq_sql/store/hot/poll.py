@@ -4,12 +4,12 @@ driver-level SQL.
 A take that found nothing claimable reads the queue's counters, epochs and expired leases once
 (:meth:`Poll.read`) and then, while it waits, polls the same statement
 (:meth:`Poll.poll`). Both come at the end of every drain, from every worker at once, so they
-are the end's critical path (``bench/long_tail.py``) and, with thousands of waiting workers, the
-database's load (``bench/cluster_scale.py``). Through SQLAlchemy the statement cost 2-3 ms of
-CPU per call here and 5 ms more to compile it on first use in a process, which is at the end of
-the drain for the worker that never waited; as one driver-level text it is a round trip (one
-simple query in autocommit mode on Postgres, ``engine.driver_read``). The states are literals,
-so SQLite's planner can use the partial indexes (it cannot with a bound parameter).
+are the end's critical path and, with thousands of waiting workers, the database's load.
+Through SQLAlchemy the statement cost its connection and execution machinery's CPU per call,
+and a compile on first use in a process, which is at the end of the drain for the worker that
+never waited; as one driver-level text it is a round trip (one simple query in autocommit
+mode on Postgres, ``engine.driver_read``). The states are literals, so SQLite's planner can use
+the partial indexes (it cannot with a bound parameter).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class Poll:
         # claimed, and the three probes are skipped (CASE evaluates a subquery only when its
         # branch is taken). That is the read that learns the end, right after the last
         # acknowledgements: the partial indexes then hold an entry per item whose row version
-        # is dead, each checked against the table until VACUUM (Postgres, 1,000 items: 1.2 ms of
-        # execution and 51 buffers with the probes, 0.2 ms and 4 without).
+        # is dead, each checked against the table until VACUUM, and the probes would visit
+        # every one of them.
         # (The product in numeric on Postgres, real on SQLite: num_epochs may be up to 2**62.)
         fin = "t.finished >= q.num_epochs * (q.n_works + 0.0)"
         no = "0" if b.is_sqlite else "false"

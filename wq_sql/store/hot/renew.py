@@ -4,11 +4,11 @@ Every ``heartbeat_seconds`` each worker refreshes its row and the leases of the 
 while one of its takes waits, the wait's poll (``poll.Poll``) rides in the same transaction, and
 on its first beat the count of the host's live workers (``heartbeat.looks_this_beat``) too. Through
 SQLAlchemy that was a transaction of four round trips (``BEGIN`` with the timeouts, two
-``UPDATE``s, ``COMMIT``) and 1.4-1.8 ms of CPU per beat; behind a transaction pooler the server
-connection stayed held for all four and the client's time between them. With 2,000 workers in
-40 processes on 2 cores (``bench/cluster_scale.py scale``) the worker threads waited for the
-GIL between those round trips, the pooler's 20 server connections sat idle in transaction with
-the server at 0.25 cores, 2,600 clients queued for them, and a ``take()`` waited 13 s.
+``UPDATE``s, ``COMMIT``) and its Python per beat; behind a transaction pooler the server
+connection stayed held for all four and the client's time between them. With many workers per
+process on few cores, the worker threads waited for the GIL between those round trips, so the
+pooler's server connections sat idle in transaction while the server had capacity to spare,
+clients queued for them, and ``take()`` calls waited behind the queue.
 
 On Postgres the renewal is now ONE statement (the updates as data-modifying CTEs, the ride-along
 reads as columns of its result), sent with the transaction's timeouts as one simple query in
