@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf test-torch lint bench bench-all bench-cluster bench-torch stress stress-bound failover clean
+.PHONY: help demo test test-core test-tf test-torch lint docs bench bench-all bench-cluster bench-torch stress stress-bound failover clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -35,6 +35,10 @@ $(VENV)/.torch: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) ".[test,torch]"
 	touch $@
 
+$(VENV)/.docs: $(BIN)/python pyproject.toml
+	$(PIP_INSTALL) ".[docs]"
+	touch $@
+
 demo: $(VENV)/.pkg  ## set up and run the multi-worker long-tail demo on SQLite
 	$(BIN)/python examples/long_tail_demo.py
 
@@ -58,10 +62,15 @@ test-torch: $(VENV)/.torch  ## the PyTorch shim's tests only
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python -m pytest tests/torch
 
-lint: $(VENV)/.torch  ## ruff, mypy (torch installed: wq_sql.torch is checked against it) and the import contracts
-	$(BIN)/ruff check wq_sql tests examples migrations bench scripts
+lint: $(VENV)/.torch $(VENV)/.docs  ## ruff, mypy (torch installed: wq_sql.torch is checked against it), the import contracts, the docs site
+	$(BIN)/ruff check wq_sql tests examples migrations bench scripts docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(MAKE) --no-print-directory docs
+
+# The site's source folder is the repository's root (docs/conf.py says why); warnings are errors.
+docs: $(VENV)/.docs  ## build the docs site into docs/_build/html (Sphinx + MyST; warnings are errors)
+	$(BIN)/sphinx-build -W --keep-going -q -b html -c docs . docs/_build/html
 
 stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU burners, 40 runs per backend (30-60 min)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
@@ -115,4 +124,4 @@ bench-cluster: $(VENV)/.pkg  ## 100, 500 and 2,000 workers through PgBouncer, an
 	$(BIN)/python bench/cluster_scale.py scale && $(BIN)/python bench/cluster_scale.py tail
 
 clean:  ## remove the venv, local databases and the demo's timeline
-	rm -rf $(VENV) *.db *.db-wal *.db-shm *.db-wqturns long_tail_demo.html
+	rm -rf $(VENV) *.db *.db-wal *.db-shm *.db-wqturns long_tail_demo.html docs/_build
