@@ -1,6 +1,7 @@
 """The headline benchmarks (``make bench``): the targets of BENCHMARKS.md's summary that fit in
 5-10 minutes on a 2-core machine, each benchmark run as its own subprocess with its
-``--json`` output, then one table: target, goal, measured ratio, verdict.
+``--json`` output, then one table: target, goal, measured ratio, verdict. The figures go into
+``bench/results.json`` and the tables made from it (``bench/summary.py``; ``--no-record``: not).
 
     .venv/bin/python bench/headline.py                       # everything, both backends
     .venv/bin/python bench/headline.py --only claims,tail    # some of it
@@ -334,6 +335,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--step-timeout", type=float, default=600.0, help="seconds one benchmark may take (default 600)")
     ap.add_argument("--list", action="store_true", help="print the commands and exit")
     ap.add_argument("--json", default=None, help="also write the table's rows here")
+    ap.add_argument("--no-record", action="store_true",
+                    help="do not put the figures into bench/results.json and the pages' tables")
     a = ap.parse_args(argv)
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     backends = {x.strip() for x in a.backends.split(",") if x.strip()}
@@ -393,6 +396,15 @@ def main(argv: list[str]) -> int:
     print("\nCommands (seconds each):\n")
     for cmd, seconds, note in timings:
         print(f"    {cmd}    # {seconds:.0f} s{'; ' + note if note else ''}")
+    if not a.no_record:
+        import summary  # bench/summary.py: results.json and the tables made from it
+
+        results = summary.load()
+        n = summary.record(results, rows, git_rev() or "?")
+        summary.save(results)
+        summary.write(results)
+        print(f"\n{n} row(s) of bench/results.json updated; BENCHMARKS.md's summary and the README's "
+              "performance table rewritten from it")
     if a.json:
         Path(a.json).write_text(json.dumps(
             {"started": started.isoformat(), "rev": git_rev(), "seconds": total, "loads": loads,
