@@ -30,8 +30,9 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 myst_heading_anchors = 3  # links to a page's sections (`design.md#the-map-...`)
 myst_enable_extensions = ["colon_fence"]
 
-# The shims' frameworks are not needed to read their docstrings.
-autodoc_mock_imports = ["tensorflow", "torch", "torchdata"]
+# The shims' frameworks (and numpy, which the TF shim imports) are not needed to read their docstrings:
+# make lint builds the site in a venv without TensorFlow.
+autodoc_mock_imports = ["tensorflow", "numpy", "torch", "torchdata"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": True}
