@@ -83,11 +83,11 @@ RUNS ?= 20
 stress-bound: $(VENV)/.tf $(VENV)/.torch  ## the lease-ahead bound tests 20 times over beside 2 CPU burners (about 20 min)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	WQ_SQL_PGBOUNCER="$$(bash scripts/pgbouncer.sh)" && export WQ_SQL_PGBOUNCER && \
-	for b in 1 2; do timeout 3600 $(BIN)/python -c 'while True: pass' & done; \
+	burners=""; for b in 1 2; do timeout 3600 $(BIN)/python -c 'while True: pass' & burners="$$burners $$!"; done; \
 	ok=0; for i in $$(seq $(RUNS)); do \
 	  timeout 600 $(BIN)/python -m pytest -q -p no:cacheprovider tests/contract/test_lease_ahead_bound.py \
 	    tests/tf/test_tf_lease_ahead.py tests/torch/test_torch_lease_ahead.py || ok=1; \
-	done; kill $$(jobs -p) 2>/dev/null; exit $$ok
+	done; kill $$burners 2>/dev/null; exit $$ok
 
 failover: $(VENV)/.test  ## the failover drill on a real Patroni + etcd pair (installs patroni, etcd-server as root): 16 workers, primary killed, switchover, standby lost (about 3 min)
 	$(BIN)/python bench/failover.py
