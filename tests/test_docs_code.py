@@ -41,13 +41,12 @@ class Harness:
     needs: str = ""  # "postgresql": that backend only
 
 
+QUICK_START = Harness("trained = []\ndef train_on(path):\n    trained.append(path)\n",
+                      'assert sorted(trained) == sorted(["part-0.txt", "part-1.txt", "part-2.txt"] * 2), '
+                      "trained\n")
 HARNESSES = {
-    "from wq_sql import WorkQueue\n\n# Every worker": Harness(
-        "trained = []\ndef train_on(path):\n    trained.append(path)\n",
-        'assert sorted(trained) == sorted(["part-0.txt", "part-1.txt", "part-2.txt"] * 2), trained\n'),
-    "from wq_sql import WorkQueue, QueueExhausted": Harness(
-        "trained = []\ndef train_on(path):\n    trained.append(path)\n",
-        'assert sorted(trained) == sorted(["part-0.txt", "part-1.txt", "part-2.txt"] * 2), trained\n'),
+    "from wq_sql import WorkQueue\n\n# Every worker": QUICK_START,  # the README's
+    "from wq_sql import WorkQueue, QueueExhausted": QUICK_START,  # the guide's
     "import logging": Harness(
         "", 'assert logging.getLogger("wq_sql").level == logging.INFO and logging.getLogger().handlers\n'),
     "# from tensorflow.python.ops.work_queue import WorkQueue": Harness(

@@ -29,14 +29,14 @@ def test_the_pages_show_what_results_json_holds() -> None:
     assert summary.differs(summary.load()) == [], "run .venv/bin/python bench/summary.py"
 
 
-def test_every_headline_target_has_its_row() -> None:
+def test_every_headline_target_has_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``make bench`` measures is exactly the set of rows marked ``headline``: a target
     renamed in one place and not the other would stop updating silently."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # headline.py imports _common
     spec = importlib.util.spec_from_file_location("wq_bench_headline", ROOT / "bench" / "headline.py")
     assert spec is not None and spec.loader is not None
     h = importlib.util.module_from_spec(spec)
-    sys.modules["wq_bench_headline"] = h  # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, "wq_bench_headline", h)  # its dataclasses look their module up
     spec.loader.exec_module(h)
     backends = ("sqlite", "postgresql")
     made = ({h._claim_target(b, n) for b in backends for n in (1, 32)} | {h._tail_target(b) for b in backends}

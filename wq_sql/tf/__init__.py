@@ -476,7 +476,7 @@ class WorkQueue:
     def before_save(self) -> Mark:
         """Call right before saving a checkpoint; pass the result to :meth:`after_save`. The
         checkpoint helpers (:meth:`checkpoint_manager`, :meth:`checkpoint_listener`) do it."""
-        self._need_checkpoint_mode()
+        need_checkpoint_mode(self)
         return self.ledger.mark()
 
     def after_save(self, step: int, before: Mark, read_ahead: int = 0, *, data_ended: bool = False,
@@ -490,7 +490,7 @@ class WorkQueue:
         ``after``: the mark taken when the save ended, if earlier than now (the iterators'
         own serialization, seen by :class:`CheckpointManager`). Returns how many items were
         made done."""
-        self._need_checkpoint_mode()
+        need_checkpoint_mode(self)
         after = after or self.ledger.mark()
         done, ambiguous = self.ledger.cover(self.queue, step, before, after, 0 if data_ended else read_ahead)
         if ambiguous:
@@ -504,7 +504,7 @@ class WorkQueue:
         job starts without a checkpoint): re-open every item a later checkpoint had covered.
         Items still claimed come back through same-identity recovery. Call it before training,
         or let a helper do it. Returns how many items were re-opened."""
-        self._need_checkpoint_mode()
+        need_checkpoint_mode(self)
         return self.queue.reopen_after(step)
 
     def checkpoint_manager(self, checkpoint: tf.train.Checkpoint, directory: str,
@@ -528,9 +528,6 @@ class WorkQueue:
         """A TF1 ``CheckpointSaverListener`` for ``CheckpointSaverHook(listeners=[...])`` (see
         :class:`CheckpointListener`)."""
         return CheckpointListener(self, read_ahead)
-
-    def _need_checkpoint_mode(self) -> None:
-        need_checkpoint_mode(self)
 
     def _summary_tags(self) -> list[str]:
         n = self.items_per_epoch

@@ -86,11 +86,10 @@ class HotPath:
             conn, prefix, qid, worker_id, incarnation, tokens, lease_seconds, max_item_seconds, buffered,
             poll=poll, host=host))
 
-    def carry(self, incarnation: str, tokens: Sequence[int], buffered: int, lease_seconds: float,
+    def carry(self, incarnation: str, tokens: list[int], buffered: int, lease_seconds: float,
               max_item_seconds: Optional[float], at: float) -> Carry:
         """A renewal for the next claim round to carry (:meth:`round`'s ``carry``)."""
-        return Carry(self._renewal, incarnation, list(tokens), buffered, lease_seconds, max_item_seconds,
-                     at=at)
+        return Carry(self._renewal, incarnation, tokens, buffered, lease_seconds, max_item_seconds, at=at)
 
     def leave(self, worker_id: int, incarnation: str, acks: Keys, give_back: Keys) -> set[int]:
         """A clean close: acknowledge ``acks``, give back ``give_back`` (no attempt counted)
