@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -43,7 +43,7 @@ from wq_sql.worker import process
 from wq_sql.worker.book import Book, WorkItem
 from wq_sql.worker.dispenser import Dispenser, Extent, Rules
 from wq_sql.worker.epochs import EpochMaker, Order
-from wq_sql.worker.heartbeat import Heartbeat, Terms, register
+from wq_sql.worker.heartbeat import Heartbeat, Terms, register, return_lost
 from wq_sql.worker.identity import check_worker_name, default_worker_name
 from wq_sql.worker.joining import open_queue
 from wq_sql.worker.outcomes import Handout, Outcomes
@@ -416,14 +416,61 @@ class WorkQueue:
         self._ensure_process()
         return self._outcomes.cover(items, int(step), ambiguous)
 
-    def reopen_after(self, step: Optional[int]) -> int:
-        """This worker's model was restored from its checkpoint at global ``step`` (``None``: from
-        no checkpoint): put back to the queue every item that a later checkpoint of this worker
-        identity had covered (:meth:`cover`), and, with ``run=``, of the workers of the run's
-        earlier restarts (ranks that may not come back to restore: ``statements.reopen_after``). Items it
-        still held come back through same-identity recovery. Returns how many items were re-opened."""
+    def reopen_after(self, step: Optional[int], *, writer: Optional[str] = None,
+                     departed: Sequence[tuple[str, Optional[int]]] = (), since: Optional[int] = None,
+                     staying: Optional[Collection[str]] = None) -> int:
+        """This worker's model was restored from a checkpoint whose state says global ``step``
+        (``None``: from no checkpoint): put back to the queue every item that a later checkpoint
+        of this worker identity had covered (:meth:`cover`): the restored model has not trained
+        them. Items it still held come back through same-identity recovery. Returns how many items
+        were re-opened. Steps are per identity, so other identities' checkpoints are compared
+        only with their own states:
+
+        - ``writer``: the identity that saved the restored state, if not this one (the job
+          restarted under a new run id): its later checkpoints are forgotten too.
+        - ``departed``: ``(identity, step)`` of the states of ranks that did not come back (the
+          job restarted with fewer ranks), restored with this one: each one's later checkpoints.
+        - ``since`` (an :meth:`event_mark` taken when the restored state was saved) and
+          ``staying`` (the identities of the writer's job run that come back and restore their
+          own states): what the run's other identities, whose states nobody restores, covered
+          after ``since`` (``wq_sql.torch`` passes them for rank 0 of a ``torchrun`` job)."""
         self._ensure_process()
-        return self._outcomes.reopen_after(None if step is None else int(step), self._opts.run)
+        return self._outcomes.reopen_after(None if step is None else int(step), writer, departed,
+                                           since, staying)
+
+    def cover_listed(self, writer: str, ids: Sequence[int], step: int) -> int:
+        """Mark done, stamped with ``step``, the items ``ids`` a restored state of another identity
+        ``writer`` lists as covered by its checkpoint, if they are still claimed by ``writer`` or
+        back in the queue (it was killed before it learnt the checkpoint was saved). Returns how many."""
+        self._ensure_process()
+        return self._outcomes.cover_listed(writer, ids, int(step))
+
+    def compacted_epochs(self) -> list[int]:
+        """The epochs whose ``done`` item rows were deleted by :func:`wq_sql.compact_queue`."""
+        self._ensure_process()
+        p = self.progress()
+        return list(self._db.tx(lambda c: statements.compacted_epochs(c, self._qid, p.items_per_epoch,
+                                                                      p.epochs_created), read=True))
+
+    def event_mark(self) -> int:
+        """The id of the newest row of the history (``wq_events``): a mark for :meth:`reopen_after`'s
+        ``since``."""
+        self._ensure_process()
+        return self._outcomes.event_mark()
+
+    def return_lost(self) -> int:
+        """Look now, as heartbeats do from time to time, for the items of workers that are gone (a
+        process of this host that is dead, a heartbeat 3 periods old) and of expired leases, and
+        put them back to the queue. Returns how many. :mod:`wq_sql.torch` calls it when a rank's
+        process starts: the DataLoader workers of its previous process that do not come back
+        (it runs with fewer ``num_workers``) hold items that no pass of this rank waits for."""
+        self._ensure_process()
+        if not self._db.may_expire:
+            return 0
+        n, _ = return_lost(self._db, self._qid, self._d.member, self._row.max_attempts, self.name)
+        if n:
+            self._d.made_claimable()
+        return n
 
     # ------------------------------------------------------------------ items another process consumes
 

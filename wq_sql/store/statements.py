@@ -687,6 +687,14 @@ def finished_epochs(conn: Connection, qid: int, n_works: int) -> list[int]:
     return sorted(r.epoch for r in rows)
 
 
+def compacted_epochs(conn: Connection, qid: int, per_epoch: int, created: int) -> list[int]:
+    """The created epochs with fewer item rows than an epoch has: their done rows were compacted."""
+    rows = conn.execute(select(items.c.epoch, func.count()).where(items.c.queue_id == qid)
+                        .group_by(items.c.epoch)).all()
+    counts = {int(e): int(n) for e, n in rows}
+    return [e for e in range(created) if counts.get(e, 0) < per_epoch]
+
+
 def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool) -> int:
     """Delete the ``done`` item rows of finished ``epochs`` (and their events unless
     ``keep_events``). Failed items and their events stay; ``wq_tallies`` keeps the per-epoch,
@@ -740,24 +748,29 @@ def adopt(conn: Connection, b: Dialect, worker_id: int, holder: int, pairs: Sequ
 
 
 def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: Optional[int],
-                 run: Optional[tuple[str, int]] = None) -> int:
-    """The worker restored its model from the checkpoint at ``step`` (``None``: from none): put
-    every item a later checkpoint of this worker had covered back to ``pending`` (``requeue``
-    events saying why, counters corrected), and record the restore. Returns how many.
+                 lineages: Sequence[tuple[int, Optional[int]]],
+                 since: Optional[tuple[Sequence[int], int]] = None) -> int:
+    """A worker restored its model from a checkpoint whose state says ``step`` (``None``: from
+    none): put back to ``pending`` every item that the restored model has not trained although a
+    checkpoint covered it (``requeue`` events saying why, counters corrected), and record the
+    restore. Returns how many.
 
-    ``run``: the worker's job run (id, restart). The restored model is the job's, so the later
-    checkpoints of the workers of the run's earlier restarts are forgotten too: a rank that did
-    not come back (the job restarted with fewer ranks) never restores, and what its checkpoints
-    after ``step`` covered would stay done, trained by no model. A rank that does come back and
-    restores a later step than this one trains those items again (never lost)."""
-    holders = items.c.worker_id == worker_id
-    if run is not None:
-        earlier = select(workers.c.id).where(workers.c.queue_id == qid, workers.c.run_id == run[0],
-                                             workers.c.run_restart < run[1])
-        holders = or_(holders, items.c.worker_id.in_(earlier.scalar_subquery()))
-    cond = [items.c.queue_id == qid, holders, items.c.state == DONE, items.c.ckpt_step.is_not(None)]
-    if step is not None:
-        cond.append(items.c.ckpt_step > step)
+    ``lineages``: ``(worker id, step)``: that worker's checkpoints after its own ``step`` (its
+    steps, which only its own states share) are forgotten: this worker's, the identity that
+    saved the restored state if another (a new job run), the ranks that did not come back whose
+    states are restored with it. ``since``: ``(worker ids, event id)``: what those workers (ranks
+    that did not come back, whose states nobody restores) covered after that event (the
+    restored state's save) is forgotten too."""
+    owners = [and_(items.c.worker_id == wid, items.c.ckpt_step > s) if s is not None
+              else items.c.worker_id == wid for wid, s in lineages]
+    if since is not None and since[0]:
+        later = (select(events.c.id).where(events.c.queue_id == qid, events.c.item_id == items.c.id,
+                                                 events.c.kind == EV_DONE, events.c.id > since[1])
+                 .exists())
+        owners.append(and_(items.c.worker_id.in_(list(since[0])), later))
+    if not owners:
+        return 0
+    cond = [items.c.queue_id == qid, items.c.state == DONE, items.c.ckpt_step.is_not(None), or_(*owners)]
     locked = select(items.c.id).where(*cond).with_for_update().cte("r").prefix_with("MATERIALIZED")
     rows = conn.execute(
         update(items).where(items.c.id == locked.c.id, items.c.state == DONE)
@@ -770,6 +783,48 @@ def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: O
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_RESTORE, step=step,
                                             items=len(rows), ambiguous=0, at=b.now()))
     return len(rows)
+
+
+def cover_listed(conn: Connection, b: Dialect, qid: int, worker_id: int, writer_id: int, ids: Sequence[int],
+                 step: int) -> int:
+    """Items a restored state lists as covered by its checkpoint whose writer (another identity,
+    gone) never learnt that the checkpoint was saved: done now, stamped with ``step``, under this
+    worker, if they are still claimed by the writer or back in the queue (never an item another
+    worker holds now, nor one done). Returns how many."""
+    if not ids:
+        return 0
+    rows = list(conn.execute(
+        update(items).where(items.c.queue_id == qid, items.c.id.in_(list(ids)),
+                            or_(items.c.state == PENDING,
+                                and_(items.c.state == CLAIMED, items.c.worker_id == writer_id)))
+        .values(state=DONE, done_at=b.now(), lease_until=None, ckpt_step=step, token=None)
+        .returning(items.c.id, items.c.epoch, items.c.seq, *ENDED)))
+    _log(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step} (restored)")
+    _tally(conn, b, qid, rows, "n_done", worker_id)
+    return len(rows)
+
+
+def worker_ids(conn: Connection, qid: int, names: Sequence[str]) -> dict[str, int]:
+    """The row ids of the named worker identities of the queue that exist."""
+    if not names:
+        return {}
+    rows = conn.execute(select(workers.c.name, workers.c.id)
+                        .where(workers.c.queue_id == qid, workers.c.name.in_(list(names)))).all()
+    return {r.name: int(r.id) for r in rows}
+
+
+def run_workers(conn: Connection, qid: int, name: str) -> list[tuple[int, str]]:
+    """The workers of the job run of the identity ``name`` (``(id, name)``; none without a run)."""
+    run = select(workers.c.run_id).where(workers.c.queue_id == qid, workers.c.name == name).scalar_subquery()
+    rows = conn.execute(select(workers.c.id, workers.c.name)
+                        .where(workers.c.queue_id == qid, workers.c.run_id.is_not(None),
+                               workers.c.run_id == run)).all()
+    return [(int(r.id), str(r.name)) for r in rows]
+
+
+def event_mark(conn: Connection) -> int:
+    """The newest history row's id: what happened after a moment is what has a higher one."""
+    return int(conn.execute(select(func.coalesce(func.max(events.c.id), 0))).scalar_one())
 
 # ---------------------------------------------------------------- operator actions
 

@@ -15,9 +15,9 @@ import sys
 import time
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from wq_sql.queue import WorkQueue
 from wq_sql.torch.claiming import Notes, QueueConfig
@@ -125,10 +125,11 @@ class Acks:
             self.ledger.finish(self.ledger.start(), [h.item for h in due if id(h.item) not in gone])
             self.acknowledged += n - len(lost)
 
-    def save_point(self, step: int) -> list[int]:
+    def save_point(self, step: int) -> tuple[list[int], int]:
         """``state_dict()`` at ``step``: every batch yielded so far is trained; what it carried is
         covered once :meth:`saved` says the checkpoint holding the state was saved. Returns the
-        ids of the items the save covers (the state keeps them: see :meth:`restore`)."""
+        ids of the items the save covers (the state keeps them: see :meth:`restore`) and the
+        queue's event mark at the save (``WorkQueue.reopen_after``'s ``since``)."""
         assert self.ledger is not None
         self.trained(self.current)
         self.current = ()
@@ -136,7 +137,7 @@ class Acks:
         mark = self.ledger.mark()
         self.saving = (step, mark)
         _save_points.add(self)  # held until saved, even if the DataLoader is dropped first
-        return sorted(i.item_id for i in self.ledger.covered(mark, mark, 0)[0])
+        return sorted(i.item_id for i in self.ledger.covered(mark, mark, 0)[0]), self.queue.event_mark()
 
     def saved(self) -> int:
         """The checkpoint of the last save point was saved: its items are done. Returns how many."""
@@ -147,19 +148,29 @@ class Acks:
         done, _ = self.ledger.cover(self.queue, step, mark, mark, 0)
         return done
 
-    def restore(self, step: Optional[int], saved: Sequence[int]) -> int:
+    def restore(self, step: Optional[int], saved: Sequence[int], *, writer: Optional[str] = None,
+                departed: Sequence[Restored] = (), since: Optional[int] = None,
+                staying: Optional[Collection[str]] = None) -> int:
         """The model was restored from the checkpoint at ``step``, whose state says it covers the
         items ``saved`` (ids): those of them this rank still holds (the process crashed before it
         learnt the checkpoint was saved, or this one restores it) become done now; the rest it
         holds (trained since, or recovered from a crashed predecessor) go back to the queue, and
-        so do the items its later checkpoints had covered. Returns how many items went back."""
+        so do the items its later checkpoints had covered. ``writer``: the identity that saved
+        the state, if another (a new job run): its later checkpoints are forgotten too, and the
+        items the state lists that it still holds (or that went back to the queue when it was
+        found dead) become done. ``departed``: the states of ranks that did not come back,
+        restored with this one, each the same way; ``since``/``staying``: see
+        ``WorkQueue.reopen_after``. Returns how many items went back."""
         assert self.ledger is not None
         self.saving = None
         _save_points.discard(self)
         self.trained(self.current)
         self.current = ()
         self.flush()
-        n = self.queue.reopen_after(step)
+        me = self.queue.worker
+        other = writer if writer is not None and writer != me else None
+        n = self.queue.reopen_after(step, writer=other, departed=[(d.worker, d.step) for d in departed],
+                                    since=since, staying=staying)
         mark = self.ledger.mark()
         held, _ = self.ledger.covered(mark, mark, 0)
         self.ledger.forget(held)
@@ -172,7 +183,21 @@ class Acks:
             if item.item_id not in covers or step is None:
                 self.queue.release(item)
                 n += 1
+        if other is not None and step is not None:
+            self.queue.cover_listed(other, list(covers), step)
+        for d in departed:
+            if d.step is not None and d.worker != me:
+                self.queue.cover_listed(d.worker, list(d.items), d.step)
         return n
+
+
+class Restored(NamedTuple):
+    """A loader state another rank saved, restored with this rank's: its identity, its step and
+    the items its checkpoint covers."""
+
+    worker: str
+    step: Optional[int]
+    items: Sequence[int]
 
 
 _ledgers: weakref.WeakKeyDictionary[WorkQueue, Ledger] = weakref.WeakKeyDictionary()
@@ -227,6 +252,10 @@ def main_queue(config: QueueConfig, worker: str, create: Optional[dict[str, Any]
     else:
         q = WorkQueue(name=config.name, url=config.url, schema=config.schema, worker=worker,
                       auto_complete=False, lease_ahead=config.lease_ahead, **create, **config.options)
+    # This rank's previous process may have run more DataLoader workers than this one will: the
+    # identities <worker>/loader<k> beyond this run's never come back for what they held, and a
+    # pass never waits for items others hold. Its process group is dead: give them back now.
+    q.return_lost()
     _mains[key] = q
     return q
 

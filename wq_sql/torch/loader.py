@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch.utils.data
 from torch.utils.data import BatchSampler, default_collate, default_convert
 
 from wq_sql.errors import InvalidInput
-from wq_sql.torch.acks import Acks, give_back_recovered, main_queue
+from wq_sql.torch.acks import Acks, Restored, give_back_recovered, main_queue
 from wq_sql.torch.claiming import Notes
 from wq_sql.torch.dataset import QueueDataset, QueuePasses
 from wq_sql.torch.sampler import QueueSampler
-
-STATE_VERSION = 1
+from wq_sql.torch.state import STATE_VERSION, LoaderState, parse, rank_of_job, staying_ranks
 
 
 class QueueLoading:
@@ -122,7 +121,7 @@ class QueueLoading:
                                  "epoch": self._passes.epoch, "pass_ended": self._pass_ended,
                                  "items": []}
         if self._passes.consumed == "checkpoint":
-            state["items"] = self._trainer().save_point(self._step)
+            state["items"], state["mark"] = self._trainer().save_point(self._step)
         return state
 
     def checkpoint_saved(self) -> int:
@@ -131,23 +130,59 @@ class QueueLoading:
         Returns how many."""
         return self._trainer().saved()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], departed: Sequence[dict[str, Any]] = ()) -> None:
         """Resume from a :meth:`state_dict` saved in a checkpoint, before iterating: the next pass
         is the epoch it was in (the one after, if its pass had ended) and the step goes on from
         its own. With ``consumed='checkpoint'`` the items this rank holds that no checkpoint
         covers go back to the queue, and so do those its later checkpoints had covered
-        (``WorkQueue.reopen_after``): restoring an older checkpoint trains them again."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise InvalidInput(f"not a wq_sql.torch loader state (from DataLoader.state_dict()): {state!r}")
-        if state["queue"] != self._passes.config.name:
-            raise InvalidInput(f"this loader state belongs to queue {state['queue']!r}, not "
-                               f"{self._passes.config.name!r}")
-        self._step = int(state["step"])
-        epoch = int(state["epoch"]) + (1 if state["pass_ended"] else 0)
-        if epoch >= 0:
-            self._passes.set_epoch(epoch)
-        if self._passes.consumed == "checkpoint":
-            self._trainer().restore(self._step, state.get("items", []))
+        (``WorkQueue.reopen_after``): restoring an older checkpoint trains them again. The state
+        may be another identity's (the job restarted under a new run id): its checkpoints count
+        as this rank's.
+
+        ``departed``: the states, from the same checkpoint, of ranks that did not come back (the
+        job restarted with fewer ranks; pass them to one rank, rank 0): what their later
+        checkpoints covered goes back too, compared with each one's own step. Without them,
+        rank 0 of a ``torchrun`` job puts back what the departed ranks covered after its own
+        state was taken (at least once: their share of this checkpoint may be trained again).
+
+        A state that is not a loader state of this queue, of another format version, cut short,
+        damaged, or whose later items were compacted away (``wq-sql compact``) raises
+        :class:`~wq_sql.InvalidInput` and changes nothing."""
+        name = self._passes.config.name
+        mine = parse(state, name)
+        others = [parse(d, name) for d in departed]
+        if any(d.worker == mine.worker for d in others):
+            raise InvalidInput(f"departed= holds a state of {mine.worker!r}, the rank restored: pass each "
+                               "rank's state once, the ranks that did not come back in departed=")
+        checkpointed = self._passes.consumed == "checkpoint"
+        if checkpointed:
+            self._check_not_compacted([mine, *others])
+        self._step = mine.step
+        if mine.next_epoch >= 0:
+            self._passes.set_epoch(mine.next_epoch)
+        if checkpointed:
+            since, staying = None, None
+            rank, world = rank_of_job()
+            if rank == 0 and mine.mark is not None:
+                staying = staying_ranks(mine.worker, world)
+                since = mine.mark if staying is not None else None
+            self._trainer().restore(mine.step, mine.items, writer=mine.worker,
+                                    departed=[Restored(d.worker, d.step, d.items) for d in others],
+                                    since=since, staying=staying)
+
+    def _check_not_compacted(self, states: list[LoaderState]) -> None:
+        """Restoring a state re-opens what later checkpoints covered, from the state's epoch on:
+        those items must still be rows of the queue."""
+        q = self._trainer().queue
+        first = max(0, min(s.next_epoch for s in states))
+        gone = [e for e in q.compacted_epochs() if e >= first]
+        if gone:
+            raise InvalidInput(
+                f"this loader state is from epoch {first} of queue {q.name!r}, whose items of "
+                f"epoch(s) {gone} were compacted away (wq-sql compact) since: restoring it could not "
+                "re-open what later checkpoints covered, and the restored model would never see it. "
+                "Resume from a checkpoint "
+                f"saved after epoch {max(gone)}, or start the job afresh")
 
 
 class DataLoader(QueueLoading, torch.utils.data.DataLoader):  # type: ignore[misc]

@@ -8,8 +8,10 @@ hand-outs is settled after it. ``WorkQueue``'s verbs of the same names call thes
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
+
+from sqlalchemy import Connection
 
 from wq_sql.errors import LeaseLost
 from wq_sql.store import statements
@@ -74,19 +76,59 @@ class Outcomes:
             d.after_acks()
         return lost
 
-    def reopen_after(self, step: Optional[int], run: Optional[tuple[str, int]]) -> int:
-        """Put back every item a checkpoint of this identity (and of the earlier restarts of its
-        job ``run``) later than ``step`` had covered."""
+    def reopen_after(self, step: Optional[int], writer: Optional[str] = None,
+                     departed: Sequence[tuple[str, Optional[int]]] = (), since: Optional[int] = None,
+                     staying: Optional[Collection[str]] = None) -> int:
+        """Put back what the restored model has not trained although checkpoints covered it (see
+        ``WorkQueue.reopen_after``)."""
         db, d = self.db, self.d
+        me = d.member.worker_id
+
+        def restore(c: Connection) -> int:
+            named = [n for n in [writer, *(name for name, _ in departed)] if n]
+            ids = statements.worker_ids(c, self.qid, named)
+            lineages: list[tuple[int, Optional[int]]] = [(me, step)]
+            if writer and writer in ids and ids[writer] != me:
+                lineages.append((ids[writer], step))
+            lineages += [(ids[name], s) for name, s in departed if name in ids]
+            gone = None
+            if since is not None and staying is not None:
+                known = {me, *(wid for wid, _ in lineages)}
+                gone = ([wid for wid, name in statements.run_workers(c, self.qid, writer or d.rules.worker)
+                         if wid not in known and name not in staying], since)
+            return statements.reopen_after(c, db.dialect, self.qid, me, step, lineages, gone)
+
         with d.lock:
             d.check_usable()
-            wid = d.member.worker_id
-            n: int = db.tx(lambda c: statements.reopen_after(c, db.dialect, self.qid, wid, step, run))
+            n: int = db.tx(restore)
         if n:
             d.made_claimable()
             log.warning("worker %r restored from checkpoint step %s: %d item(s) covered by later "
                         "checkpoints went back to queue %r", d.rules.worker, step, n, d.rules.name)
         return n
+
+    def cover_listed(self, writer: str, ids: Sequence[int], step: int) -> int:
+        """Mark done the items ``ids`` that a restored state of the identity ``writer`` lists as
+        covered, if still claimed by it or back in the queue (``statements.cover_listed``)."""
+        db, d = self.db, self.d
+        me = d.member.worker_id
+
+        def cover(c: Connection) -> int:
+            wid = statements.worker_ids(c, self.qid, [writer]).get(writer)
+            if wid is None or wid == me:
+                return 0
+            return statements.cover_listed(c, db.dialect, self.qid, me, wid, ids, step)
+
+        with d.lock:
+            d.check_usable()
+            n: int = db.tx(cover)
+        if n:
+            d.after_acks()
+        return n
+
+    def event_mark(self) -> int:
+        """The newest history row's id (``statements.event_mark``)."""
+        return int(self.db.tx(statements.event_mark, read=True))
 
     def hand_off(self, items: Sequence[WorkItem]) -> None:
         """Stop tracking ``items``: another process acknowledges them."""

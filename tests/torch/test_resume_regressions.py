@@ -1,0 +1,223 @@
+"""The resume bugs users report in training data loaders, each as a test of wq_sql.torch with
+``consumed="checkpoint"`` (and one with the default ``consumed="trained"``), on every backend.
+
+A real trainer (``torch_ckpt_trainer.py``: a model, an optimizer, ``wq_sql.torch.DataLoader``,
+``torch.save`` of the model with ``loader.state_dict()``) is SIGKILLed with its DataLoader
+workers at the point each bug needs and resumed from its checkpoint, as a job restarts. Files
+have as many lines as a batch, so every batch is one whole item and no item straddles a save:
+the final model must have seen every record of every epoch exactly once
+(``resume.exact``, from the trainers' own logs), and the SQL audit must agree (every item done
+once since its last re-open, each by a checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from procwatch import child_env, run_all
+from resume import exact, read_runs
+from torch_support import HERE, finish, kill_ranks_when, read_log, sql, start_rank, write_files
+
+TRAINER = HERE / "torch_ckpt_trainer.py"
+LINES = 4  # lines per file = batch size: a batch is one item
+FILES = 20  # items per epoch
+
+
+def job_for(url: str, tmp: Path, queue: str, epochs: int, **changes: Any) -> dict[str, Any]:
+    files, _ = write_files(tmp / "data", FILES, LINES)
+    return {"url": url, "queue": queue, "files": files, "num_epochs": epochs, "num_workers": 2,
+            "batch_size": LINES, "every": 5, "log": str(tmp / "log"), "ckpt": str(tmp / "ckpt.pt"),
+            # every kill counts an attempt on what the trainer held; long leases: only the
+            # restarted identity brings items back
+            "options": {"max_attempts": 1000, "heartbeat_seconds": 2, "lease_seconds": 60}, **changes}
+
+
+def run(job: dict[str, Any], killed: bool, **changes: Any) -> None:
+    """One trainer process to its end, or to the kill it was told to do to itself."""
+    job = {**job, **changes}
+    done = run_all([[sys.executable, str(TRAINER), json.dumps(job)]], hang=240, env=child_env())[0]
+    if killed:
+        assert done.returncode == -signal.SIGKILL, (done.returncode, done.stderr[-4000:])
+    else:
+        assert done.returncode == 0, done.stderr[-4000:]
+
+
+def expected(epochs: int) -> Counter[str]:
+    return Counter(f"f{i:04d}-{j:03d}@e{e}"
+                   for e in range(epochs) for i in range(FILES) for j in range(LINES))
+
+
+def audit(url: str, queue: str, epochs: int) -> None:
+    """Every item of every epoch done, once since its last re-open, stamped with a checkpoint step."""
+    rows = sql(url, "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = :q GROUP BY epoch, state",
+               q=queue)
+    assert sorted(tuple(r) for r in rows) == [(e, "done", FILES) for e in range(epochs)], rows
+    again = sql(url, """
+        SELECT h.item_id, count(*) FROM wq_history h
+        WHERE h.queue = :q AND h.kind = 'done' AND h.event_id > coalesce(
+            (SELECT max(r.event_id) FROM wq_history r WHERE r.item_id = h.item_id AND r.kind = 'requeue'), 0)
+        GROUP BY h.item_id HAVING count(*) <> 1""", q=queue)
+    assert again == []
+    assert sql(url, "SELECT count(*) FROM wq_items i JOIN wq_queues q ON q.id = i.queue_id "
+                    "WHERE q.name = :q AND i.ckpt_step IS NULL", q=queue) == [(0,)]
+
+
+def check(job: dict[str, Any], epochs: int) -> list[Any]:
+    runs = read_runs(Path(job["log"]), job["ckpt"])
+    exact(runs, expected(epochs))
+    audit(job["url"], job["queue"], epochs)
+    return runs
+
+
+def test_resume_twice_in_a_row_neither_skips_nor_repeats(db_url: str, tmp_path: Path) -> None:
+    """huggingface/datasets#8308: resuming a second time, from a resumed run, skipped or repeated
+    data. Run, killed right after its save at step 10; resumed, killed right after its save at
+    step 25 (a checkpoint written by a resumed run); resumed again to the end."""
+    job = job_for(db_url, tmp_path, "twice", 2)
+    run(job, True, kill_after_save=10)
+    run(job, True, kill_after_save=25)
+    run(job, False)
+    runs = check(job, 2)
+    assert [r.restored for r in runs] == [0, 10, 25]
+
+
+def test_resume_from_a_resumed_runs_checkpoint_between_saves(db_url: str, tmp_path: Path) -> None:
+    """huggingface/datasets#8308, the other half: the resumed run is killed between two saves
+    (its last checkpoint is its own, steps it trained after it are thrown away) and the next run
+    restores that checkpoint: the thrown-away steps' records are trained again, nothing else."""
+    job = job_for(db_url, tmp_path, "resumed", 2)
+    run(job, True, kill_at=12)
+    run(job, True, kill_at=28)
+    run(job, False)
+    runs = check(job, 2)
+    assert [r.restored for r in runs] == [0, 10, 25]
+
+
+@pytest.mark.parametrize("where", ["pass_end", "last_step"])
+def test_checkpoint_at_the_end_of_an_epoch_skips_no_epoch(db_url: str, tmp_path: Path, where: str) -> None:
+    """volcengine/verl#7401: a checkpoint saved exactly at the end of an epoch made the resumed
+    run skip the next epoch and exit 0. Killed right after the save that ends epoch 0's pass
+    (``pass_end``), or right after a periodic save at the epoch's last batch, its pass not yet
+    over (``last_step``, step 20 of 20); resumed: epochs 1 and 2 are trained, each once."""
+    job = job_for(db_url, tmp_path, f"end-{where}", 3, every=10)
+    if where == "pass_end":
+        run(job, True, kill_after_pass=0)
+    else:
+        run(job, True, kill_after_save=FILES)
+    run(job, False)
+    runs = check(job, 3)
+    assert runs[1].restored == FILES
+
+
+@pytest.mark.parametrize("where", ["before_first_batch", "after_first_batch"])
+def test_checkpoint_at_the_start_of_an_epoch_skips_no_epoch(db_url: str, tmp_path: Path, where: str) -> None:
+    """volcengine/verl#7401, the other side of the boundary: the checkpoint is saved right before
+    epoch 1's pass begins (``before_first_batch``), or after its first batch (step 21); killed
+    then, resumed: the rest of epoch 1, then epoch 2, each record once."""
+    if where == "before_first_batch":
+        job = job_for(db_url, tmp_path, "start-before", 3, every=1000, save_at_pass_start=True)
+        run(job, True, kill_at_pass_start=1)
+    else:
+        job = job_for(db_url, tmp_path, "start-after", 3, every=FILES + 1)
+        run(job, True, kill_after_save=FILES + 1)
+    run(job, False)
+    check(job, 3)
+
+
+def test_persistent_workers_keep_the_restored_position(db_url: str, tmp_path: Path) -> None:
+    """huggingface/datasets#7447: with ``persistent_workers=True`` the restored position was lost.
+    Three epochs through persistent DataLoader workers, killed in epoch 1 right after a save,
+    resumed with persistent workers again, then killed in epoch 2 and resumed."""
+    job = job_for(db_url, tmp_path, "persistent", 3, persistent_workers=True)
+    run(job, True, kill_after_save=25)
+    run(job, True, kill_after_save=50)
+    run(job, False)
+    check(job, 3)
+
+
+def test_resume_with_another_num_workers(db_url: str, tmp_path: Path) -> None:
+    """pytorch/data#1437: a StatefulDataLoader restored with another ``num_workers`` lost its
+    place. ``num_workers`` 0, then 2, then 1, each run killed right after a save."""
+    job = job_for(db_url, tmp_path, "workers", 2, num_workers=0)
+    run(job, True, kill_after_save=10)
+    run(job, True, kill_after_save=20, num_workers=2)
+    run(job, False, num_workers=1)
+    check(job, 2)
+
+
+def test_restoring_an_older_checkpoint_reopens_the_newer_ones_items(db_url: str, tmp_path: Path) -> None:
+    """Restoring a checkpoint older than the latest (the newest was bad, say): the items the
+    newer checkpoints covered are pending again and trained again, by the restored model."""
+    job = job_for(db_url, tmp_path, "older", 2, keep=True)
+    run(job, True, kill_after_save=20)  # checkpoints at 5, 10, 15, 20 kept
+    run(job, False, restore=f"{job['ckpt']}.step10")
+    runs = check(job, 2)
+    assert [r.restored for r in runs] == [0, 10]
+    reopened = sql(db_url, "SELECT count(*) FROM wq_history WHERE queue = 'older' AND kind = 'requeue' "
+                           "AND detail = 'model restored from checkpoint step 10'")
+    # The save at 15 covered steps 11-15 (one item each); the kill came before the save at 20
+    # was known to have been saved: its items were still held, and went back unreopened.
+    assert reopened == [(5,)]
+
+
+def start(job: dict[str, Any], rank: int, world: int, incarnation: int, run_id: str,
+          restart: int) -> subprocess.Popen[str]:
+    return start_rank({**job, "incarnation": incarnation}, rank, world, 0, run_id=run_id, restart=restart,
+                      script=TRAINER)
+
+
+def holding(log: Path, ranks: list[int], incarnation: int) -> bool:
+    """Each of ``ranks`` logged, in this incarnation, that it holds (or is dying)."""
+    def held(r: int) -> bool:
+        entries = read_log(Path(f"{log}.rank{r}"))
+        mine = [i for i, e in enumerate(entries) if e.get("incarnation") == incarnation]
+        return bool(mine) and any("holding" in e or "dying" in e for e in entries[mine[-1]:])
+    return all(held(r) for r in ranks)
+
+
+@pytest.mark.parametrize("run_ids", ["same", "new"])
+def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: str) -> None:
+    """ray-project/ray#48224, pytorch/data#1437: a job restarted with another world size lost its
+    place. A torchrun-style job of 2 ranks (one three times slower, so the ranks' steps differ:
+    32 and 12 at the kill, last saves at 30 and 10) is killed; it restarts with 1 rank, which
+    restores rank 0's state and, as ``departed=``, rank 1's; killed again, it restarts with 3
+    ranks: rank 0 restores the 1-rank job's state, ranks 1 and 2 (no state in that checkpoint)
+    start at its epoch. ``same``: one ``TORCHELASTIC_RUN_ID``, restart counts 0, 1, 2;
+    ``new``: the 3-rank job runs under a new run id, and the 1-rank job is killed right after
+    its save (so the items its state lists were never marked done by it). Every record once."""
+    files, _ = write_files(tmp_path / "data", 40, LINES)
+    log, ckpt = tmp_path / "log", tmp_path / "ckpt.pt"
+    job = {"url": db_url, "queue": "world", "files": files, "num_epochs": 2, "num_workers": 2,
+           "batch_size": LINES, "every": 5, "log": str(log), "ckpt": str(ckpt), "per_rank": True,
+           "options": {"max_attempts": 1000, "heartbeat_seconds": 60, "lease_seconds": 300}}
+    a = {**job, "hold_at": {"0": 32, "1": 12}, "step_seconds": {"0": 0.01, "1": 0.03}}
+    ranks = [start(a, r, 2, 0, "job", 0) for r in (0, 1)]
+    kill_ranks_when(ranks, lambda: holding(log, [0, 1], 0), "to their holds")
+    b = {**job, "departed": [f"{ckpt}.rank1"]}
+    if run_ids == "same":
+        kill_ranks_when([start({**b, "hold_at": 42}, 0, 1, 1, "job", 1)], lambda: holding(log, [0], 1),
+                        "to its hold")
+    else:
+        p = start({**b, "kill_after_save": 40}, 0, 1, 1, "job", 1)
+        p.wait(timeout=240)
+        assert p.returncode == -signal.SIGKILL, p.communicate()[1][-4000:]
+    Path(f"{ckpt}.rank1").unlink()  # the 1-rank job's checkpoint has rank 0's state only
+    run_id, restart = ("job", 2) if run_ids == "same" else ("job2", 0)
+    c = {**job, "epoch_from": f"{ckpt}.rank0"}
+    for p in [start(c, r, 3, 2, run_id, restart) for r in (0, 1, 2)]:
+        finish(p)
+
+    runs = [run for r in (0, 1, 2) for run in read_runs(Path(f"{log}.rank{r}"), f"{ckpt}.rank{r}")]
+    assert sorted((r.incarnation, r.file[-5:], r.restored) for r in runs) == [
+        (0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30),
+        (2, "rank0", 40), (2, "rank1", 0), (2, "rank2", 0)]
+    exact(runs, Counter(f"f{i:04d}-{j:03d}@e{e}" for e in range(2) for i in range(40) for j in range(LINES)))
+    rows = sql(db_url, "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = 'world' "
+                       "GROUP BY epoch, state")
+    assert sorted(tuple(r) for r in rows) == [(0, "done", 40), (1, "done", 40)]
