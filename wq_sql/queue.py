@@ -458,16 +458,18 @@ class WorkQueue:
         self._ensure_process()
         return self._outcomes.event_mark()
 
-    def return_lost(self) -> int:
+    def return_lost(self, lineage: Optional[str] = None) -> int:
         """Look now, as heartbeats do from time to time, for the items of workers that are gone (a
         process of this host that is dead, a heartbeat 3 periods old) and of expired leases, and
-        put them back to the queue. Returns how many. :mod:`wq_sql.torch` calls it when a rank's
-        process starts: the DataLoader workers of its previous process that do not come back
-        (it runs with fewer ``num_workers``) hold items that no pass of this rank waits for."""
+        put them back to the queue; ``lineage``: only of that identity and those named under it
+        (``<lineage>/...``), if gone. Returns how many. :mod:`wq_sql.torch` calls it when a
+        rank's process starts, for its own name: the DataLoader workers of its previous process
+        that do not come back (it runs with fewer ``num_workers``) hold items that no pass of
+        this rank waits for."""
         self._ensure_process()
         if not self._db.may_expire:
             return 0
-        n, _ = return_lost(self._db, self._qid, self._d.member, self._row.max_attempts, self.name)
+        n, _ = return_lost(self._db, self._qid, self._d.member, self._row.max_attempts, self.name, lineage)
         if n:
             self._d.made_claimable()
         return n
@@ -523,6 +525,14 @@ class WorkQueue:
         (done, failed), created = self._db.tx(read, read=True)
         e = self._extent
         return Progress(e.total, done, failed, created, e.num_epochs, e.items_per_epoch)
+
+    def first_open_epoch(self) -> Optional[int]:
+        """The lowest epoch with items not yet done or failed (None once every epoch is), from the
+        counters: where a job resumes (after a checkpoint restore, the restored one's epoch)."""
+        self._d.send_acks()
+        ended = self._db.tx(lambda c: statements.ended_per_epoch(c, self._qid), read=True)
+        e = self._extent
+        return next((k for k in range(e.num_epochs) if ended.get(k, 0) < e.items_per_epoch), None)
 
     def extend_epochs(self, num_epochs: int) -> None:
         """Raise the queue's ``num_epochs`` (never lower it); every worker sees it on join."""

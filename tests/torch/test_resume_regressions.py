@@ -22,7 +22,16 @@ from typing import Any
 import pytest
 from procwatch import child_env, run_all
 from resume import exact, read_runs
-from torch_support import HERE, finish, kill_ranks_when, read_log, sql, start_rank, write_files
+from torch_support import (  # noqa: F401 - close_datasets: an autouse fixture
+    HERE,
+    close_datasets,
+    finish,
+    kill_ranks_when,
+    read_log,
+    sql,
+    start_rank,
+    write_files,
+)
 
 TRAINER = HERE / "torch_ckpt_trainer.py"
 LINES = 4  # lines per file = batch size: a batch is one item
@@ -221,3 +230,68 @@ def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: st
     rows = sql(db_url, "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = 'world' "
                        "GROUP BY epoch, state")
     assert sorted(tuple(r) for r in rows) == [(0, "done", 40), (1, "done", 40)]
+
+
+def snapshot(url: str, queue: str) -> dict[str, list[Any]]:
+    """Every row of the queue that a restore could change."""
+    return {
+        "items": sql(url, "SELECT * FROM wq_audit WHERE queue = :q ORDER BY epoch, seq", q=queue),
+        "history": sql(url, "SELECT * FROM wq_history WHERE queue = :q ORDER BY event_id", q=queue),
+        "tallies": sql(url, "SELECT t.* FROM wq_tallies t JOIN wq_queues q ON q.id = t.queue_id "
+                            "WHERE q.name = :q ORDER BY t.epoch, t.worker_id", q=queue),
+        "checkpoints": sql(url, "SELECT c.* FROM wq_checkpoints c JOIN wq_queues q ON q.id = c.queue_id "
+                                "WHERE q.name = :q ORDER BY c.id", q=queue),
+    }
+
+
+def test_bad_states_on_resume_get_one_clear_error_and_change_nothing(db_url: str) -> None:
+    """A state from another queue, of another format version, cut short or damaged, one whose
+    later items were compacted away: each raises ``InvalidInput`` saying what to do, and the
+    queue's rows are as they were; the good state then resumes."""
+    from wq_sql import InvalidInput, compact_queue
+    from wq_sql.torch import DataLoader, QueueDataset
+
+    works = [f"w{i:02d}" for i in range(6)]
+    ds = QueueDataset(works, num_epochs=3, url=db_url, name="bad", worker="r", consumed="checkpoint",
+                      lease_ahead=1)
+    loader = DataLoader(ds, batch_size=1)
+    seen = [b for _ in range(2) for b in loader]  # epochs 0 and 1
+    early = loader.state_dict()  # at the end of epoch 1's pass
+    loader.checkpoint_saved()
+    assert len(seen) == 12
+    it = iter(loader)
+    seen += [next(it), next(it)]
+    good = loader.state_dict()  # 2 batches into epoch 2
+    del it
+    before = snapshot(db_url, "bad")
+    fresh = DataLoader(ds, batch_size=1)
+    bad: list[tuple[Any, str]] = [
+        ([good], "not a wq_sql.torch loader state"),
+        ({"step": 3, "epoch": 0}, "has no 'version'"),
+        ({**good, "version": 2}, "format version 2; this wq_sql reads version 1"),
+        ({k: v for k, v in good.items() if k not in ("step", "items")}, r"incomplete \(no 'step', 'items'\)"),
+        ({**good, "step": -4}, r"damaged \(step=-4"),
+        ({**good, "items": ["12", None]}, r"damaged \(items="),
+        ({**good, "pass_ended": "yes"}, r"damaged \(pass_ended='yes'"),
+        ({**good, "queue": "other"}, "belongs to queue 'other', not 'bad'"),
+    ]
+    for state, message in bad:
+        with pytest.raises(InvalidInput, match=message):
+            fresh.load_state_dict(state)
+        with pytest.raises(InvalidInput, match=message):
+            fresh.load_state_dict(early, departed=[state])
+        assert snapshot(db_url, "bad") == before, f"a refused state changed the queue: {state!r:.200}"
+    with pytest.raises(InvalidInput, match="departed= holds a state of 'r'"):
+        fresh.load_state_dict(good, departed=[early])
+    # Epochs 0 and 1 are finished, 2 is running: compacting deletes the rows of 0 and 1.
+    assert compact_queue("bad", url=db_url) == 12
+    before = snapshot(db_url, "bad")
+    old = {**early, "epoch": 0, "pass_ended": False}  # a state from the middle of epoch 0
+    with pytest.raises(InvalidInput, match=r"epoch\(s\) \[0, 1\] were compacted away"):
+        fresh.load_state_dict(old)
+    assert snapshot(db_url, "bad") == before
+    fresh.load_state_dict(good)  # from epoch 2: nothing it needs was compacted
+    rest = list(fresh)
+    fresh.state_dict()
+    fresh.checkpoint_saved()
+    assert sorted(seen[12:] + rest) == sorted([w] for w in works)

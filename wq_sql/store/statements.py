@@ -629,6 +629,13 @@ def progress(conn: Connection, qid: int) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def ended_per_epoch(conn: Connection, qid: int) -> dict[int, int]:
+    """Items done or failed, per epoch, from the counters."""
+    rows = conn.execute(select(tallies.c.epoch, func.sum(tallies.c.n_done + tallies.c.n_failed))
+                        .where(tallies.c.queue_id == qid).group_by(tallies.c.epoch)).all()
+    return {int(e): int(n or 0) for e, n in rows}
+
+
 def _progress_sql(sqlite: bool, p: str) -> str:
     q = _binder(sqlite)("q")
     return (f"SELECT coalesce(sum(n_done), 0), coalesce(sum(n_failed), 0) FROM {p}wq_tallies "

@@ -139,6 +139,10 @@ class WorkQueue:
         # automatically), at most HAND_OUT_MAX; the largest so far bounds what the pipeline may
         # have read ahead.
         self._hand_out = self._per_call()
+        self._later_seen = False  # the last hand-out met an item of a later epoch than its pass's
+        # Whether the data of the last input_dataset() iteration ended (its last hand-out was
+        # empty): the Keras callback's end-of-epoch save covers everything then.
+        self.pass_ended = False
 
     @classmethod
     def attach(cls, name: str = "work_queue", **kwargs: Any) -> WorkQueue:
@@ -200,18 +204,27 @@ class WorkQueue:
         return self._take_items(1, cancel_generation)[0]
 
     def _take_items(self, n: int, cancel_generation: Optional[int] = None,
-                    claim: Optional[int] = None) -> list[WorkItem]:
+                    claim: Optional[int] = None, limit: Optional[int] = None) -> list[WorkItem]:
         """Up to ``n`` items (see :meth:`wq_sql.WorkQueue.take_many`, also for ``claim``), as
-        :meth:`_take_item`."""
+        :meth:`_take_item`. ``limit``: only items of epochs up to it; the others taken go back to
+        the queue at once (never handed out), and :attr:`_later_seen` says one was met."""
         call = self.ledger.start()
         items: list[WorkItem] = []
+        later: list[WorkItem] = []
         try:
             items = self._take_items_now(n, cancel_generation, claim)
+            if limit is not None:
+                later = [i for i in items if i.epoch > limit]
+                items = [i for i in items if i.epoch <= limit]
         finally:
             self.ledger.finish(call, items)
+        for item in later:
+            self.queue.release(item)
+        self._later_seen = bool(later)
         with self._stats_lock:
             self._taken += len(items)
-            self._last_epoch = items[-1].epoch
+            if items:
+                self._last_epoch = items[-1].epoch
         return items
 
     def _take_items_now(self, n: int, cancel_generation: Optional[int],
@@ -280,17 +293,25 @@ class WorkQueue:
         self.queue.wake()  # a take() waiting for other workers' items sees the cancel now
         return generation
 
-    def _next_many(self) -> np.ndarray:
+    def _next_many(self, passes: Optional[_Passes] = None) -> np.ndarray:
         """For ``input_dataset``: the next items (up to :meth:`_per_call`, what the buffer
-        holds), or none at the end. After each hand-out, the core's refill thread tops the core's
-        buffer up again, off the pipeline's path."""
+        holds), or none at the end (of the queue, or with ``passes`` of the pass's epoch). After
+        each hand-out, the core's refill thread tops the core's buffer up again, off the
+        pipeline's path."""
+        if passes is not None and passes.over:
+            return np.array([], dtype=object)
         try:
             # With an empty buffer (the first pull), claim one hand-out, so the pipeline starts
             # after a short round trip; the refill thread claims the rest while it reads those.
             k = self._per_call()
             self._hand_out = max(self._hand_out, k)
-            items = self._take_items(k, claim=first_claim(k))
+            items = self._take_items(k, claim=first_claim(k), limit=passes.limit() if passes else None)
         except QueueExhausted:
+            items = []
+        if passes is not None and (self._later_seen or not items):
+            passes.over = True  # met the next epoch (or the end): this pass ends after these
+        if not items:
+            self.pass_ended = True
             return np.array([], dtype=object)
         # The core's refill thread tops its buffer up again, off the pipeline's path, once at
         # least k places are free (one round trip claims several items).
@@ -303,13 +324,21 @@ class WorkQueue:
         read) and what a checkpoint assumes read ahead (``default_read_ahead``)."""
         return hand_out_size(self.queue.lease_ahead)
 
-    def _next_or_end(self) -> np.ndarray:
+    def _next_or_end(self, passes: Optional[_Passes] = None) -> np.ndarray:
         """:meth:`_next_many` for a map that ends on ``OutOfRangeError``: ``StopIteration`` (which
         ``tf.numpy_function`` raises as that error) instead of an empty hand-out."""
-        works = self._next_many()
+        works = self._next_many(passes)
         if not len(works):
             raise StopIteration(f"queue {self.name!r} is exhausted")
         return works
+
+    def resume_epoch(self) -> int:
+        """The epoch that the next pass of ``input_dataset(epochs="each")`` hands out in a new
+        process: the lowest epoch with items not yet done (after a checkpoint restore, the restored
+        one's), or ``num_epochs`` once all are. Resuming Keras: ``model.fit(ds, epochs=E,
+        initial_epoch=wq.resume_epoch())``."""
+        first = self.queue.first_open_epoch()
+        return self.num_epochs if first is None else first
 
     # ------------------------------------------------------------------ DeepRec's API
 
@@ -329,8 +358,18 @@ class WorkQueue:
         work.set_shape([])
         return work
 
-    def input_dataset(self) -> tf.data.Dataset:
-        """A ``tf.data.Dataset`` of scalar ``tf.string`` work items that ends with the queue.
+    def input_dataset(self, epochs: str = "all") -> tf.data.Dataset:
+        """A ``tf.data.Dataset`` of scalar ``tf.string`` work items that ends with the queue
+        (``epochs="all"``, DeepRec's: one pass over every epoch), or, with ``epochs="each"``,
+        at the end of each epoch: each iteration of the dataset (each ``iter(ds)``, each Keras
+        epoch of ``model.fit(ds, epochs=E)``) is a pass over the next epoch of the queue.
+        A pass of epoch ``k`` hands out epoch ``k``'s items and any left over from earlier
+        epochs, and ends when the next claimable item is of a later epoch (given back at once,
+        never handed out) or the queue ends; the last epoch's pass hands out everything left. A
+        process's first pass is the lowest epoch not yet finished (:meth:`resume_epoch`:
+        after a restore, the restored checkpoint's), each later one the epoch after its
+        predecessor's (or the lowest unfinished, if other workers finished that one meanwhile).
+        Iterate one such dataset at a time per queue object.
 
         Items are taken as the pipeline pulls them (``TextLineDataset(wq.input_dataset())``
         takes the next file when it has read the previous one; see the module docstring for
@@ -346,36 +385,39 @@ class WorkQueue:
         After the first pull, a background thread keeps claimed ahead what ``lease_ahead``
         leaves room for, and items reach the pipeline ``min(ceil(lease_ahead / 2), 64)`` per
         Python call, so that pulls do not wait for the database (see the module docstring)."""
-        # A stateful numpy_function pulled by a sequential map, only when the pipeline asks
-        # (tf.data does not parallelise stateful maps; a stateless map after it would be, and
-        # would pull ahead). Each call hands out what the prefetched buffer holds, up to half of
-        # lease_ahead, and unbatch() passes them on one by one: the Python call, which costs
-        # about as much as reading a small file, is paid once per hand-out, not per item.
-        @tf.autograph.experimental.do_not_convert
-        def take(_: tf.Tensor) -> tf.Tensor:
-            works = tf.numpy_function(self._next_many, [], tf.string, stateful=True, name="take")
-            works.set_shape([None])
-            return works
-
-        @tf.autograph.experimental.do_not_convert
-        def take_or_end(_: tf.Tensor) -> tf.Tensor:
-            works = tf.numpy_function(self._next_or_end, [], tf.string, stateful=True, name="take")
-            works.set_shape([None])
-            return works
+        if epochs not in ("all", "each"):
+            raise ValueError(f"epochs must be 'all' (DeepRec: one pass over every epoch) or 'each' (each "
+                             f"iteration of the dataset is one epoch of the queue), got {epochs!r}")
+        passes = _Passes(self) if epochs == "each" else None
+        take, take_or_end = self._take_functions(passes)
 
         @tf.autograph.experimental.do_not_convert
         def not_end(works: tf.Tensor) -> tf.Tensor:
             return tf.size(works) > 0
 
-        pulls = tf.data.Dataset.from_tensors(0).repeat()
-        # The end as the take's OutOfRangeError where tf.data allows it (a map that ends there):
-        # one function less to instantiate than with take_while's predicate, so less CPU in the
-        # thread that makes each new iterator, and its first batch sooner. Otherwise the public
-        # form: an empty hand-out, cut by take_while.
-        ds = _ending_map(pulls, take_or_end)
-        if ds is None:
-            ds = pulls.map(take).take_while(not_end)
-        ds = ds.unbatch()
+        def items() -> tf.data.Dataset:
+            pulls = tf.data.Dataset.from_tensors(0).repeat()
+            # The end as the take's OutOfRangeError where tf.data allows it (a map that ends
+            # there): one function less to instantiate than with take_while's predicate, so less
+            # CPU in the thread that makes each new iterator, and its first batch sooner.
+            # Otherwise the public form: an empty hand-out, cut by take_while.
+            ds = _ending_map(pulls, take_or_end)
+            if ds is None:
+                ds = pulls.map(take).take_while(not_end)
+            return ds.unbatch()
+
+        if passes is None:
+            ds = items()
+        else:
+            # A stateful function that runs once per iterator, when it is first pulled: the pass
+            # begins (its epoch is chosen) before its first take.
+            @tf.autograph.experimental.do_not_convert
+            def begin(_: tf.Tensor) -> tf.Tensor:
+                epoch = tf.numpy_function(passes.begin, [], tf.int64, stateful=True, name="begin_pass")
+                epoch.set_shape([])
+                return epoch
+
+            ds = tf.data.Dataset.from_tensors(0).map(begin).flat_map(lambda _: items())
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         if self.consumed == "checkpoint":
@@ -384,6 +426,34 @@ class WorkQueue:
             # with the checkpoint by the checkpoint helpers (see checkpoint_manager()).
             options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
         return ds.with_options(options)
+
+    def _take_functions(self, passes: Optional[_Passes]) -> tuple[Any, Any]:
+        """The dataset's take, as a map function: one returning an empty hand-out at the end, one
+        raising ``OutOfRangeError`` there."""
+        # A stateful numpy_function pulled by a sequential map, only when the pipeline asks
+        # (tf.data does not parallelise stateful maps; a stateless map after it would be, and
+        # would pull ahead). Each call hands out what the prefetched buffer holds, up to half of
+        # lease_ahead, and unbatch() passes them on one by one: the Python call, which costs
+        # about as much as reading a small file, is paid once per hand-out, not per item.
+        def next_many() -> np.ndarray:
+            return self._next_many(passes)
+
+        def next_or_end() -> np.ndarray:
+            return self._next_or_end(passes)
+
+        @tf.autograph.experimental.do_not_convert
+        def take(_: tf.Tensor) -> tf.Tensor:
+            works = tf.numpy_function(next_many, [], tf.string, stateful=True, name="take")
+            works.set_shape([None])
+            return works
+
+        @tf.autograph.experimental.do_not_convert
+        def take_or_end(_: tf.Tensor) -> tf.Tensor:
+            works = tf.numpy_function(next_or_end, [], tf.string, stateful=True, name="take")
+            works.set_shape([None])
+            return works
+
+        return take, take_or_end
 
     def records_dataset(self, columns: Optional[list[str]] = None) -> tf.data.Dataset:
         """The records of every sliced item this worker takes (``table:``, ``lines:`` or a
@@ -582,6 +652,28 @@ def _ending_map(ds: tf.data.Dataset, fn: Any) -> Optional[tf.data.Dataset]:
         return _MapDataset(ds, fn, preserve_cardinality=False)
     except TypeError:
         return None
+
+
+class _Passes:
+    """``input_dataset(epochs="each")``: the pass of the dataset's current iteration."""
+
+    def __init__(self, work_queue: WorkQueue) -> None:
+        self.wq = work_queue
+        self.epoch: Optional[int] = None  # the running (or last) pass's epoch
+        self.over = False  # the pass met a later epoch's item, or the end: its next take ends it
+
+    def begin(self) -> np.int64:
+        """A new iterator's first pull: the pass's epoch (see ``WorkQueue.input_dataset``)."""
+        first = self.wq.resume_epoch()
+        self.epoch = first if self.epoch is None else max(self.epoch + 1, first)
+        self.over = False
+        self.wq.pass_ended = False
+        return np.int64(self.epoch)
+
+    def limit(self) -> Optional[int]:
+        """The last epoch this pass hands out (None: the last epoch's pass, everything left)."""
+        assert self.epoch is not None
+        return None if self.epoch >= self.wq.num_epochs - 1 else self.epoch
 
 
 class _Cancelled(Exception):

@@ -35,6 +35,9 @@ class CheckpointedQueue(Protocol):
 
     def restore(self, step: Optional[int]) -> int: ...
 
+    @property
+    def pass_ended(self) -> bool: ...
+
 
 def need_checkpoint_mode(work_queue: CheckpointedQueue) -> None:
     """Raise unless ``work_queue`` was made with ``consumed='checkpoint'``."""
@@ -117,7 +120,8 @@ class CheckpointManager:
         """A Keras callback that saves every ``every_steps`` training batches and at the end of
         ``fit``, numbered with ``step`` (a variable; default ``model.optimizer.iterations``).
         The save at the end covers every item when ``fit`` ended because the queue ran out for
-        this worker (not stopped early by a callback)."""
+        this worker (not stopped early by a callback); with ``input_dataset(epochs="each")``
+        it also saves at the end of each Keras epoch, which then covers every item of its pass."""
         import keras
 
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
@@ -131,15 +135,23 @@ class CheckpointManager:
                 var = step if step is not None else self.model.optimizer.iterations
                 return int(keras.ops.convert_to_numpy(var))
 
+            last_ended = False
+
             def _save(self, data_ended: bool = False) -> None:
                 now = self._step()
-                if now != self.last or data_ended:
+                if now != self.last or (data_ended and not self.last_ended):
                     manager.save(checkpoint_number=now, data_ended=data_ended)
-                    self.last = now
+                    self.last, self.last_ended = now, data_ended
 
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
                 if self._step() % every_steps == 0:
                     self._save()
+
+            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                # The epoch ended because its data did (input_dataset(epochs="each"): one queue
+                # epoch per Keras epoch): every record handed out was trained.
+                if manager.work_queue.pass_ended and not self.model.stop_training:
+                    self._save(data_ended=True)
 
             def on_train_end(self, logs: Any = None) -> None:
                 self._save(data_ended=manager.work_queue.ledger.ended and not self.model.stop_training)

@@ -183,11 +183,18 @@ class Acks:
             if item.item_id not in covers or step is None:
                 self.queue.release(item)
                 n += 1
-        if other is not None and step is not None:
-            self.queue.cover_listed(other, list(covers), step)
-        for d in departed:
-            if d.step is not None and d.worker != me:
-                self.queue.cover_listed(d.worker, list(d.items), d.step)
+        # Another identity's state (a new run id; the departed ranks'): what it lists that its
+        # process held when it was killed becomes done; the rest it and its DataLoader workers
+        # held goes back now (no pass waits for items other workers hold).
+        others = [(d.worker, d.step, d.items) for d in departed]
+        if other is not None:
+            others.append((other, step, list(covers)))
+        for name, at, listed in others:
+            if name == me:
+                continue
+            if at is not None:
+                self.queue.cover_listed(name, list(listed), at)
+            n += self.queue.return_lost(lineage=name)
         return n
 
 
@@ -255,7 +262,9 @@ def main_queue(config: QueueConfig, worker: str, create: Optional[dict[str, Any]
     # This rank's previous process may have run more DataLoader workers than this one will: the
     # identities <worker>/loader<k> beyond this run's never come back for what they held, and a
     # pass never waits for items others hold. Its process group is dead: give them back now.
-    q.return_lost()
+    # (Only those: a dead identity whose checkpoint another rank is about to restore keeps what
+    # its state lists until that restore covers it.)
+    q.return_lost(lineage=worker)
     _mains[key] = q
     return q
 
@@ -263,6 +272,10 @@ def main_queue(config: QueueConfig, worker: str, create: Optional[dict[str, Any]
 def close_main_queue(config: QueueConfig, worker: str) -> None:
     q = _mains.pop((os.getpid(), config.key(), worker), None)
     if q is not None:
+        # A state taken, not known saved, when its dataset is closed: the exit hook leaves it
+        # alone (a restore of that state covers what it lists).
+        for acks in [a for a in _save_points if a.queue is q]:
+            _save_points.discard(acks)
         q.close()
 
 

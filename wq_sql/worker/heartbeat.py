@@ -125,10 +125,12 @@ def register(db: Db, qid: int, queue: str, worker: str,
     return Member(worker_id, incarnation), recovered
 
 
-def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> tuple[int, int]:
+def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str,
+                lineage: Optional[str] = None) -> tuple[int, int]:
     """Return to the queue the items of workers that are gone (dead on this host, or not
     heartbeating: :mod:`wq_sql.worker.heartbeat`) and of expired leases. Returns how many, and how many
-    live workers the queue has on this host (0: not known, during an outage)."""
+    live workers the queue has on this host (0: not known, during an outage). ``lineage``: only
+    that gone identity and those named under it (``<lineage>/...``), and no expired leases."""
     d, host = db.dialect, hostname()
     # expire_tx: decided and done only while no outage could have kept the others from renewing.
     none: tuple[list[statements.Holder], int, bool] = ([], 0, False)
@@ -136,6 +138,8 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> 
         lambda c: statements.holders_to_check(c, d, qid, me.worker_id, host), default=none, read=True)
     total = 0
     for h in holders:
+        if lineage is not None and h.name != lineage and not h.name.startswith(f"{lineage}/"):
+            continue
         gone = why_gone(h, host)
         if gone is None:
             continue
@@ -148,6 +152,7 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str) -> 
         total += n
     # A write transaction (on SQLite a turn of the machine's write lock) only when the read saw
     # an expired lease: most looks find none.
+    expired = expired and lineage is None
     n = db.expire_tx(lambda c: statements.expire(c, d, qid, max_attempts), default=0) if expired else 0
     if n:
         log.info("queue %r: %d item(s) whose lease expired went back to the queue", queue, n)
