@@ -295,3 +295,28 @@ def test_bad_states_on_resume_get_one_clear_error_and_change_nothing(db_url: str
     fresh.state_dict()
     fresh.checkpoint_saved()
     assert sorted(seen[12:] + rest) == sorted([w] for w in works)
+
+
+def test_resume_of_ranks_whose_steps_differ(db_url: str, tmp_path: Path) -> None:
+    """ray-project/ray#48224's cause in a data loader that counts steps per rank: ranks of one job
+    take different numbers of batches (a dynamic queue gives the fast one more), so their loader
+    steps differ, and one rank's restore must not compare its step with another's checkpoints.
+    2 ranks (steps 32 and 12 at the kill, last saves 30 and 10) restart as 2 ranks, each from its
+    own state: rank 1's restore (step 10) leaves rank 0's checkpoints up to 30 done."""
+    files, _ = write_files(tmp_path / "data", 40, LINES)
+    log, ckpt = tmp_path / "log", tmp_path / "ckpt.pt"
+    job = {"url": db_url, "queue": "uneven", "files": files, "num_epochs": 2, "num_workers": 2,
+           "batch_size": LINES, "every": 5, "log": str(log), "ckpt": str(ckpt), "per_rank": True,
+           "options": {"max_attempts": 1000, "heartbeat_seconds": 60, "lease_seconds": 300}}
+    a = {**job, "hold_at": {"0": 32, "1": 12}, "step_seconds": {"0": 0.01, "1": 0.03}}
+    kill_ranks_when([start(a, r, 2, 0, "job", 0) for r in (0, 1)], lambda: holding(log, [0, 1], 0),
+                    "to their holds")
+    for p in [start(job, r, 2, 1, "job", 1) for r in (0, 1)]:
+        finish(p)
+    runs = [run for r in (0, 1) for run in read_runs(Path(f"{log}.rank{r}"), f"{ckpt}.rank{r}")]
+    assert sorted((r.incarnation, r.file[-5:], r.restored) for r in runs) == [
+        (0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30), (1, "rank1", 10)]
+    exact(runs, Counter(f"f{i:04d}-{j:03d}@e{e}" for e in range(2) for i in range(40) for j in range(LINES)))
+    rows = sql(db_url, "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = 'uneven' "
+                       "GROUP BY epoch, state")
+    assert sorted(tuple(r) for r in rows) == [(0, "done", 40), (1, "done", 40)]
