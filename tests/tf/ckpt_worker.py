@@ -20,10 +20,10 @@ import time
 from typing import Any
 
 
-def pipeline(wq: Any, batch: int) -> Any:
+def pipeline(wq: Any, batch: int, epochs: str = "all") -> Any:
     import tensorflow as tf
 
-    ds = tf.data.TextLineDataset(wq.input_dataset())
+    ds = tf.data.TextLineDataset(wq.input_dataset(epochs=epochs))
     ds = ds.map(lambda line: tf.strings.to_number(line, tf.int32))
     return ds.batch(batch).prefetch(2)
 
@@ -31,7 +31,8 @@ def pipeline(wq: Any, batch: int) -> Any:
 def queue(job: dict[str, Any]) -> Any:
     from wq_sql.tf import WorkQueue
 
-    return WorkQueue(job["files"], num_epochs=1, shuffle=True, seed=3, name=job["queue"], url=job["url"],
+    return WorkQueue(job["files"], num_epochs=job.get("num_epochs", 1), shuffle=True, seed=3,
+                     name=job["queue"], url=job["url"],
                      worker="trainer", consumed="checkpoint", lease_ahead=job.get("lease_ahead", 1))
 
 
@@ -76,7 +77,10 @@ def fit_mode(job: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     wq = queue(job)
-    counts = tf.Variable(tf.zeros([job["n_records"]], tf.int32))
+    each = bool(job.get("keras_epochs"))
+    epochs = job.get("num_epochs", 1) if each else 1
+    counts = tf.Variable(tf.zeros([epochs, job["n_records"]], tf.int32))
+    keras_epoch = tf.Variable(0, dtype=tf.int32)
 
     class Counting(keras.Model):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -87,7 +91,8 @@ def fit_mode(job: dict[str, Any]) -> dict[str, Any]:
             return self.dense(x)
 
         def train_step(self, ids: Any) -> Any:
-            counts.scatter_nd_add(tf.reshape(ids, [-1, 1]), tf.ones_like(ids))
+            at = tf.stack([tf.fill(tf.shape(ids), keras_epoch), ids], axis=1)
+            counts.scatter_nd_add(at, tf.ones_like(ids))
             x = tf.cast(tf.reshape(ids, [-1, 1]), tf.float32) / 1000.0
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(self(x) - x))
@@ -104,16 +109,23 @@ def fit_mode(job: dict[str, Any]) -> dict[str, Any]:
     manager.restore(restore_path(manager, job["restore"]))
 
     class Pace(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            keras_epoch.assign(epoch)
+
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             if int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == job.get("kill_at"):
                 die()
             time.sleep(job["pause"])
 
     saver = manager.keras_callback(every_steps=job["save_every"])
-    model.fit(pipeline(wq, job["batch"]), epochs=1, verbose=0, callbacks=[saver, Pace()])
+    start = wq.resume_epoch() if each else 0
+    model.fit(pipeline(wq, job["batch"], "each" if each else "all"), epochs=epochs, initial_epoch=start,
+              verbose=0, callbacks=[saver, Pace()])
     wq.close()
     steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-    return {"counts": counts.numpy().tolist(), "step": steps, "read_ahead": manager.read_ahead}
+    final = counts.numpy().tolist()
+    return {"counts": final if each else final[0], "step": steps, "read_ahead": manager.read_ahead,
+            "start": start}
 
 
 def tf1_mode(job: dict[str, Any]) -> dict[str, Any]:

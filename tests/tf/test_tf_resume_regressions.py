@@ -1,0 +1,103 @@
+"""The resume bugs users report in training data loaders, each as a test of wq_sql.tf with
+``consumed="checkpoint"``, on every backend: real training processes (``ckpt_worker.py``) that
+SIGKILL themselves at the step each bug needs and are restarted from a
+``tf.train.CheckpointManager`` checkpoint (``wq.checkpoint_manager``).
+
+The model counts how often it trained on each record (saved in the checkpoint), so the final
+counts say what the restored checkpoints plus the training after each restart saw. With the
+``tf.data`` iterator in the checkpoint (a TF2 loop), every record exactly once per epoch, but
+for hand-outs that overlapped an iterator's serialization (the documented exception, counted
+from ``wq_checkpoints``); with Keras ``model.fit`` (the iterator not in the checkpoint), at least
+once, duplicates within the read-ahead bound. A batch is one file (10 lines), so a step is an
+item, and an epoch is 6 items (steps 1-6 of the first pass are epoch 0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ckpt_support import LINES_PER_FILE, base_job, check_queue, train
+
+FILES = 6  # items per epoch
+
+
+def job_for(url: str, tmp: Path, mode: str, queue: str, epochs: int, **changes: Any) -> dict[str, Any]:
+    job = base_job(url, tmp, mode, FILES)
+    return {**job, "queue": queue, "num_epochs": epochs, "batch": LINES_PER_FILE, **changes}
+
+
+def exactly_once(url: str, job: dict[str, Any], final: dict[str, Any]) -> None:
+    """Every record trained ``num_epochs`` times by the final model, but for the records of
+    hand-outs that overlapped a restored save's iterator serialization (each may be twice)."""
+    epochs = job["num_epochs"]
+    saves = check_queue(url, job["queue"], FILES * epochs)
+    counts = final["counts"]
+    assert min(counts) == epochs, f"records lost: {[i for i, c in enumerate(counts) if c < epochs]}"
+    restored = [step for action, step, _, _ in saves if action == "restore" and step is not None]
+    ambiguous = sum(a for action, step, _, a in saves if action == "save" and step in restored)
+    assert sum(c - epochs for c in counts) <= ambiguous * LINES_PER_FILE, (counts, saves)
+
+
+def test_resume_twice_in_a_row_and_from_a_resumed_runs_checkpoint(db_url: str, tmp_path: Path) -> None:
+    """huggingface/datasets#8308: resuming a second time, from a resumed run, skipped or repeated
+    data. Checkpoints every 2 steps; killed at step 5 (restored: 4), then at step 9 (restored:
+    8, a checkpoint the resumed run wrote), then to the end of 2 epochs."""
+    job = job_for(db_url, tmp_path, "iterator", "twice", 2, save_every=2)
+    train(job, kill_at=5)
+    train(job, kill_at=9)
+    final = train(job)
+    exactly_once(db_url, job, final)
+    saves = check_queue(db_url, "twice", 2 * FILES)
+    assert [s for a, s, _, _ in saves if a == "restore"] == [None, 4, 8]
+
+
+@pytest.mark.parametrize("where", ["end", "start"])
+def test_checkpoint_at_an_epoch_boundary_skips_no_epoch(db_url: str, tmp_path: Path, where: str) -> None:
+    """volcengine/verl#7401: a checkpoint saved exactly at the end of an epoch made the resumed
+    run skip the next epoch and exit 0. Saved at step 6, the last item of epoch 0 (``end``), or
+    at step 7, the first of epoch 1 (``start``), killed right after; resumed: 3 epochs in all,
+    each record of each once."""
+    every = FILES if where == "end" else FILES + 1
+    job = job_for(db_url, tmp_path, "iterator", f"boundary-{where}", 3, save_every=every)
+    train(job, kill_at=every + 1)
+    final = train(job)
+    exactly_once(db_url, job, final)
+
+
+def test_restoring_an_older_checkpoint_reopens_the_newer_ones_items(db_url: str, tmp_path: Path) -> None:
+    """Restoring the checkpoint before the latest (the latest was bad, say): what the latest
+    covered is pending again and trained again by the restored model, once."""
+    job = job_for(db_url, tmp_path, "iterator", "older", 2, save_every=2)
+    train(job, kill_at=9)  # checkpoints 2, 4, 6, 8
+    final = train(job, restore="previous")  # 6
+    exactly_once(db_url, job, final)
+    saves = check_queue(db_url, "older", 2 * FILES)
+    assert [s for a, s, _, _ in saves if a == "restore"] == [None, 6]
+
+
+def test_keras_epochs_are_queue_epochs(db_url: str, tmp_path: Path) -> None:
+    """``model.fit(ds, epochs=3)`` over ``TextLineDataset(wq.input_dataset(epochs="each"))`` of a
+    3-epoch queue: Keras epoch k trains queue epoch k, every record once in each (with
+    ``epochs="all"``, DeepRec's one pass, Keras epoch 0 would train all three and epochs 1 and
+    2 nothing)."""
+    job = job_for(db_url, tmp_path, "fit", "keras", 3, save_every=4, keras_epochs=True)
+    final = train(job)
+    assert final["start"] == 0  # (Keras counts one step more per epoch of unknown cardinality)
+    assert final["counts"] == [[1] * (FILES * LINES_PER_FILE)] * 3
+    check_queue(db_url, "keras", 3 * FILES)
+
+
+def test_keras_epochs_resume_at_the_restored_epoch(db_url: str, tmp_path: Path) -> None:
+    """Keras with one queue epoch per Keras epoch, killed in epoch 1 (step 9; checkpoints every 4
+    steps and at each epoch's end) and resumed with ``initial_epoch=wq.resume_epoch()``: the
+    resumed run starts at epoch 1, and every Keras epoch trains every record at least once,
+    duplicates within the read-ahead bound."""
+    job = job_for(db_url, tmp_path, "fit", "keras-resume", 3, save_every=4, keras_epochs=True)
+    train(job, kill_at=9)
+    final = train(job)
+    assert final["start"] == 1
+    counts, w = final["counts"], final["read_ahead"]
+    assert all(min(epoch) >= 1 for epoch in counts), "a Keras epoch missed records of its queue epoch"
+    assert sum(c - 1 for epoch in counts for c in epoch) <= w * LINES_PER_FILE
+    check_queue(db_url, "keras-resume", 3 * FILES)
