@@ -56,8 +56,11 @@ def iterator_mode(job: dict[str, Any]) -> dict[str, Any]:
     counts = tf.Variable(tf.zeros([job["n_records"]], tf.int32))
     step = tf.Variable(0, dtype=tf.int64)
     ckpt = tf.train.Checkpoint(step=step, counts=counts, iterator=it)
-    manager = wq.checkpoint_manager(ckpt, job["ckpt_dir"], max_to_keep=None)
+    manager = wq.checkpoint_manager(ckpt, job["ckpt_dir"], max_to_keep=job.get("max_to_keep"))
     manager.restore(restore_path(manager, job["restore"]))
+    if job.get("ready"):
+        with open(job["ready"], "a") as f:
+            f.write(f"{int(step.numpy())}\n")
     for ids in it:
         counts.scatter_nd_add(tf.reshape(ids, [-1, 1]), tf.ones_like(ids))
         step.assign_add(1)

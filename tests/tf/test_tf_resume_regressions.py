@@ -13,11 +13,19 @@ item, and an epoch is 6 items (steps 1-6 of the first pass are epoch 0)."""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_support import LINES_PER_FILE, base_job, check_queue, train
+from ckpt_support import CKPT_WORKER, LINES_PER_FILE, base_job, check_queue, train
+from procwatch import child_env
 
 FILES = 6  # items per epoch
 
@@ -27,11 +35,11 @@ def job_for(url: str, tmp: Path, mode: str, queue: str, epochs: int, **changes: 
     return {**job, "queue": queue, "num_epochs": epochs, "batch": LINES_PER_FILE, **changes}
 
 
-def exactly_once(url: str, job: dict[str, Any], final: dict[str, Any]) -> None:
+def exactly_once(url: str, job: dict[str, Any], final: dict[str, Any], files: int = FILES) -> None:
     """Every record trained ``num_epochs`` times by the final model, but for the records of
     hand-outs that overlapped a restored save's iterator serialization (each may be twice)."""
     epochs = job["num_epochs"]
-    saves = check_queue(url, job["queue"], FILES * epochs)
+    saves = check_queue(url, job["queue"], files * epochs)
     counts = final["counts"]
     assert min(counts) == epochs, f"records lost: {[i for i, c in enumerate(counts) if c < epochs]}"
     restored = [step for action, step, _, _ in saves if action == "restore" and step is not None]
@@ -101,3 +109,33 @@ def test_keras_epochs_resume_at_the_restored_epoch(db_url: str, tmp_path: Path) 
     assert all(min(epoch) >= 1 for epoch in counts), "a Keras epoch missed records of its queue epoch"
     assert sum(c - 1 for epoch in counts for c in epoch) <= w * LINES_PER_FILE
     check_queue(db_url, "keras-resume", 3 * FILES)
+
+
+def test_trainer_killed_at_random_points_loses_nothing(db_url: str, tmp_path: Path) -> None:
+    """A TF2 trainer (the iterator in the checkpoint, a checkpoint every 3 steps, the manager
+    keeping 2) SIGKILLed from outside at random moments after it started training, ``KILLS``
+    times (``$WQ_SQL_TEST_KILLS``; ``make stress`` runs 50), each time restarted from its latest
+    checkpoint: every record of every epoch trained once by the final model, but for hand-outs
+    that overlapped a restored save's iterator serialization. (Killed while the manager was
+    recording a checkpoint, after its files were written, the queue had been told: restoring
+    it must not hand its items out again.)"""
+    kills = int(os.environ.get("WQ_SQL_TEST_KILLS", "3"))
+    rng = random.Random(int(os.environ.get("WQ_SQL_TEST_SEED", "35")))
+    job = {**job_for(db_url, tmp_path, "iterator", "random", 2 + kills, save_every=3), "pause": 0.03,
+           "max_to_keep": 2, "ready": str(tmp_path / "ready")}
+    job = {**job, **{k: v for k, v in base_job(db_url, tmp_path / "big", "iterator", 30).items()
+                     if k in ("files", "n_records")}}
+    for k in range(kills):
+        p = subprocess.Popen([sys.executable, str(CKPT_WORKER), json.dumps(job)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+        deadline = time.monotonic() + 120
+        while len(Path(job["ready"]).read_text().splitlines() if Path(job["ready"]).exists() else []) <= k:
+            assert p.poll() is None, p.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the trainer did not start"
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.5))  # anywhere: reading, training, saving, covering
+        assert p.poll() is None, f"finished after {k} kills: give it more data"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    final = train(job)
+    exactly_once(db_url, {**job, "num_epochs": 2 + kills}, final, files=30)

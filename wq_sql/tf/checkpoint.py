@@ -9,6 +9,7 @@ The helpers see their queue through :class:`CheckpointedQueue`, the few public n
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Optional, Protocol
 
@@ -84,23 +85,44 @@ class CheckpointManager:
 
     def save(self, checkpoint_number: Optional[int] = None, *, data_ended: bool = False,
              **kwargs: Any) -> str:
-        """Save (``tf.train.CheckpointManager.save``), then mark the covered items done.
+        """Save (``tf.train.CheckpointManager.save``) and mark the covered items done.
         ``data_ended=True`` when the training loop has consumed all of its data (see
-        :meth:`WorkQueue.after_save`): the last save then covers every item."""
+        :meth:`WorkQueue.after_save`): the last save then covers every item.
+
+        The queue is told once the checkpoint's files are written and before the manager
+        records it as the latest (a write callback, ``CheckpointOptions``' own, that runs ahead
+        of the manager's): a process killed before the record leaves the previous checkpoint the
+        latest, whose restore re-opens what this save covered; killed after it, the restored
+        checkpoint's items are done. Never a latest checkpoint whose trained items the queue
+        would hand out again."""
         ledger = self.work_queue.ledger
         before = self.work_queue.before_save()
+        read_ahead = self.read_ahead
+        told: list[str] = []
+
+        def tell(path: str) -> None:
+            # The iterators' own serialization, when it was seen, brackets the hand-outs more
+            # tightly than the whole save (which also writes files).
+            marks, ledger.serialized = ledger.serialized, None
+            tight, after = before, None
+            if marks:
+                tight = Mark(min(m.calls for m in marks[0::2]), min(m.items for m in marks[0::2]))
+                after = marks[-1]
+            self.work_queue.after_save(checkpoint_step(path), tight, read_ahead, data_ended=data_ended,
+                                       after=after)
+            told.append(path)
+
+        options = _telling(kwargs.pop("options", None), tell)
         ledger.serialized = []
-        path = self.manager.save(checkpoint_number, **kwargs)
-        # The iterators' own serialization, when it was seen, brackets the hand-outs more
-        # tightly than the whole save (which also writes files).
-        marks, ledger.serialized = ledger.serialized, None
-        if marks:
-            before = Mark(min(m.calls for m in marks[0::2]), min(m.items for m in marks[0::2]))
-            after: Optional[Mark] = marks[-1]
-        else:
-            after = None
-        self.work_queue.after_save(checkpoint_step(path), before, self.read_ahead, data_ended=data_ended,
-                                   after=after)
+        try:
+            if options is None:  # a TensorFlow without write callbacks: tell after the save
+                path = self.manager.save(checkpoint_number, **kwargs)
+            else:
+                path = self.manager.save(checkpoint_number, options=options, **kwargs)
+            if not told:
+                tell(path)
+        finally:
+            ledger.serialized = None
         return path
 
     def restore(self, path: Optional[str]) -> Any:
@@ -205,6 +227,17 @@ class CheckpointListener(tf.compat.v1.train.CheckpointSaverListener):
         if self.work_queue.ledger.ended and self._last is not None:
             step, before = self._last
             self.work_queue.after_save(step, before, data_ended=True)
+
+
+def _telling(options: Any, tell: Any) -> Any:
+    """``options`` (a ``tf.train.CheckpointOptions`` or None) with ``tell`` as its first write
+    callback, which ``tf.train.CheckpointManager.save`` runs before its own (the one that records
+    the new checkpoint as the latest); None where this TensorFlow has no write callbacks."""
+    options = copy.copy(options) if options is not None else tf.train.CheckpointOptions()
+    if not hasattr(options, "experimental_write_callbacks"):
+        return None
+    options.experimental_write_callbacks = [tell, *(options.experimental_write_callbacks or [])]
+    return options
 
 
 def checkpoint_step(path: str) -> int:
