@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help demo test test-core test-tf test-torch lint docs bench bench-all bench-cluster bench-torch stress stress-bound failover clean
+.PHONY: help demo test test-core test-tf test-torch lint docs bench bench-all bench-cluster bench-torch stress stress-resume stress-bound failover clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -72,10 +72,19 @@ lint: $(VENV)/.torch $(VENV)/.docs  ## ruff, mypy (torch installed: wq_sql.torch
 docs: $(VENV)/.docs  ## build the docs site into docs/_build/html (Sphinx + MyST; warnings are errors)
 	$(BIN)/sphinx-build -W --keep-going -q -b html -c docs . docs/_build/html
 
-stress: $(VENV)/.tf  ## the end-of-data hang hunt: 2 TF workers beside 2 CPU burners, 40 runs per backend (30-60 min)
+stress: stress-resume $(VENV)/.tf  ## the resume soak (below), then the end-of-data hang hunt: 2 TF workers beside 2 CPU burners, 40 runs per backend (45-75 min in all)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend sqlite --runs 40 --burners 2 --hang 90 && \
 	$(BIN)/python tests/tf/stress_end_of_data.py --backend postgresql --runs 40 --burners 2 --hang 90
+
+# A PyTorch trainer and a TensorFlow trainer (consumed="checkpoint") SIGKILLed at random points,
+# KILLS times each per backend, restarted from their checkpoints each time (CI runs a handful).
+KILLS ?= 50
+stress-resume: $(VENV)/.tf $(VENV)/.torch  ## the resume soak: PyTorch and TensorFlow trainers SIGKILLed 50 times each per backend (about 20 min)
+	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
+	WQ_SQL_TEST_KILLS=$(KILLS) timeout 5400 $(BIN)/python -m pytest -q -p no:cacheprovider -s \
+	  tests/torch/test_torch_kill.py \
+	  tests/tf/test_tf_resume_regressions.py::test_trainer_killed_at_random_points_loses_nothing
 
 # The lease-ahead bound sampled while a consumer reads, on every backend, for the core, TF and
 # torch, RUNS times beside two CPU burners (each burner and run bounded by timeout).

@@ -2,8 +2,10 @@
 
     python examples/tf_keras_fit.py
 
-The queue's ``num_epochs`` makes the epochs: ``fit(..., epochs=1)`` reads the whole queue once,
-so a fast worker reads more files than a slow one. The setup writes six small CSV files to a
+``input_dataset(epochs="each")`` makes each Keras epoch one epoch of the queue, so
+``fit(..., epochs=num_epochs)`` trains queue epoch k in Keras epoch k (a resumed run starts at
+``initial_epoch=work_queue.resume_epoch()``); several workers share each epoch, a fast one
+reading more files than a slow one. The setup writes six small CSV files to a
 temp dir, and the queue to ``$WQ_SQL_URL``, by default a fresh SQLite file in that dir
 (``WQ_SQL_URL=postgresql://user@host/db python examples/tf_keras_fit.py``).
 """
@@ -52,7 +54,7 @@ def parse(line):
 
 
 work_queue = WorkQueue(files, num_epochs=num_epochs, seed=1)
-dataset = tf.data.TextLineDataset(work_queue.input_dataset())
+dataset = tf.data.TextLineDataset(work_queue.input_dataset(epochs="each"))
 dataset = dataset.shuffle(256, seed=1).batch(batch_size).map(parse).prefetch(1)
 
 keras.utils.set_random_seed(7)
@@ -62,16 +64,22 @@ model.compile(optimizer=keras.optimizers.Adam(0.3), loss="binary_crossentropy", 
 
 class CountRecords(keras.callbacks.Callback):
     steps = 0
+    taken = 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        print(f"Keras epoch {epoch}: {work_queue.taken - self.taken} items")
+        self.taken = work_queue.taken
 
 
 # Keras warns at the end of any dataset of unknown length, and about fit(shuffle=True).
 warnings.filterwarnings("ignore", message="Your input ran out of data")
 warnings.filterwarnings("ignore", message=".*shuffle=True.* was passed")
 counter = CountRecords()
-history = model.fit(dataset, epochs=1, verbose=0, callbacks=[counter])
+history = model.fit(dataset, epochs=num_epochs, initial_epoch=work_queue.resume_epoch(), verbose=0,
+                    callbacks=[counter])
 progress = work_queue.progress()
 print(f"steps: {counter.steps}")
 print(f"items done: {progress.done} of {progress.total}")

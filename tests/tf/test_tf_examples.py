@@ -63,6 +63,8 @@ def test_tf_table_reader(backend: str, db_url: str, tmp_path: Path) -> None:
 
 def test_tf_keras_fit(backend: str, db_url: str, tmp_path: Path) -> None:
     assert run_example("tf_keras_fit.py", tmp_path, backend, db_url) == [
+        "Keras epoch 0: 6 items",
+        "Keras epoch 1: 6 items",
         "steps: 24",
         "items done: 12 of 12",
         "loss went down: True",

@@ -21,8 +21,8 @@ that epoch's pass; ``save_at_pass_start``: also save right before each pass begi
 ``kill_at_pass_start``: die right after that save of that epoch; ``keep``: keep every
 checkpoint as ``<ckpt>.step<N>`` too; ``restore``: the checkpoint file to resume from (default
 ``ckpt``); ``persistent_workers``: the DataLoader's; ``kill_at``: die right after training that
-step. ``per_rank`` jobs: ``hold_at``, ``step_seconds`` and ``kill_after_save`` may be ``{rank:
-value}``; ``departed``: checkpoint files of ranks that did not come back, whose loader states this
+step. ``consumed``: the dataset's (default ``"checkpoint"``). ``per_rank`` jobs: ``hold_at``,
+``step_seconds`` and ``kill_after_save`` may be ``{rank: value}``; ``departed``: checkpoint files of ranks that did not come back, whose loader states this
 rank restores with its own (``load_state_dict(departed=)``); ``epoch_from``: for a rank without a
 checkpoint of its own, the checkpoint whose epoch the job resumes at; ``incarnation``: logged."""
 
@@ -60,8 +60,8 @@ def main() -> None:
             if isinstance(job.get(key), dict):
                 job[key] = job[key].get(rank)
     ds = QueueDataset(job["files"], num_epochs=job["num_epochs"], seed=7, name=job["queue"], url=job["url"],
-                      read=read_lines, consumed="checkpoint", worker=worker, lease_ahead=2,
-                      **job.get("options", {}))
+                      read=read_lines, consumed=job.get("consumed", "checkpoint"), worker=worker,
+                      lease_ahead=2, **job.get("options", {}))
     extra = {"persistent_workers": True} if job.get("persistent_workers") else {}
     loader = DataLoader(ds, batch_size=job["batch_size"], num_workers=job["num_workers"],
                         multiprocessing_context="fork" if job["num_workers"] else None, **extra)

@@ -64,9 +64,14 @@ those items (by default a worker waits, because a dead worker's items come back)
 blocked in a collective that waits for this worker would never finish them (a deadlock:
 ``docs/design.md``, "History"). The price: if a peer dies holding items, the job
 (which a synchronous strategy cannot continue anyway) is restarted and they are taken then.
-Keras 3's ``model.fit`` did not run under that strategy with two workers in the tested
-TensorFlow 2.21 even on a plain ``tf.data.Dataset`` (a ``ValueError`` converting ``PerReplica``
-values), so it is not covered. No other end-together mechanism is provided.
+Keras 3's ``model.fit`` does not run under that strategy with two or more workers on any
+dataset (keras-team/keras#20585; a ``ValueError`` converting ``PerReplica`` values with
+TensorFlow 2.21), so it is not covered: use the custom loop. No other end-together mechanism is
+provided.
+
+Keras epochs: ``input_dataset(epochs="each")`` makes each iteration of the dataset one queue
+epoch, so ``model.fit(ds, epochs=E)`` trains queue epoch ``k`` in Keras epoch ``k``, and a resumed
+``fit`` starts at ``initial_epoch=wq.resume_epoch()``.
 """
 
 from __future__ import annotations
