@@ -458,18 +458,20 @@ class WorkQueue:
         self._ensure_process()
         return self._outcomes.event_mark()
 
-    def return_lost(self, lineage: Optional[str] = None) -> int:
+    def return_lost(self, lineage: Optional[str] = None, keep: Collection[str] = ()) -> int:
         """Look now, as heartbeats do from time to time, for the items of workers that are gone (a
         process of this host that is dead, a heartbeat 3 periods old) and of expired leases, and
         put them back to the queue; ``lineage``: only of that identity and those named under it
-        (``<lineage>/...``), if gone. Returns how many. :mod:`wq_sql.torch` calls it when a
-        rank's process starts, for its own name: the DataLoader workers of its previous process
-        that do not come back (it runs with fewer ``num_workers``) hold items that no pass of
-        this rank waits for."""
+        (``<lineage>/...``), if gone, but the identities in ``keep``. Returns how many.
+        :mod:`wq_sql.torch` calls it when a rank's process begins its first pass, for its own
+        name, keeping the DataLoader worker identities it runs: those of its previous process
+        beyond them (it ran more ``num_workers``) never come back for what they held, and no
+        pass of this rank waits for items others hold."""
         self._ensure_process()
         if not self._db.may_expire:
             return 0
-        n, _ = return_lost(self._db, self._qid, self._d.member, self._row.max_attempts, self.name, lineage)
+        n, _ = return_lost(self._db, self._qid, self._d.member, self._row.max_attempts, self.name, lineage,
+                           keep)
         if n:
             self._d.made_claimable()
         return n

@@ -259,12 +259,6 @@ def main_queue(config: QueueConfig, worker: str, create: Optional[dict[str, Any]
     else:
         q = WorkQueue(name=config.name, url=config.url, schema=config.schema, worker=worker,
                       auto_complete=False, lease_ahead=config.lease_ahead, **create, **config.options)
-    # This rank's previous process may have run more DataLoader workers than this one will: the
-    # identities <worker>/loader<k> beyond this run's never come back for what they held, and a
-    # pass never waits for items others hold. Its process group is dead: give them back now.
-    # (Only those: a dead identity whose checkpoint another rank is about to restore keeps what
-    # its state lists until that restore covers it.)
-    q.return_lost(lineage=worker)
     _mains[key] = q
     return q
 

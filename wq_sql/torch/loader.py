@@ -61,6 +61,7 @@ class QueueLoading:
         self._acks: Optional[Acks] = None
         self._acks_pid = 0
         self._step = 0  # batches yielded, over every pass (restored by load_state_dict)
+        self._looked = 0  # the pid that looked for its predecessor's departed loaders
         self._pass_ended = False
 
     def _trainer(self) -> Acks:
@@ -76,6 +77,15 @@ class QueueLoading:
         # What a crashed predecessor of this rank held and no load_state_dict() claimed: trained,
         # not covered by a checkpoint; back to the queue, for any loader to read again.
         give_back_recovered(acks.queue)
+        if self._looked != os.getpid():
+            # The previous process of this rank may have run more DataLoader workers than this
+            # one: the identities beyond this one's never come back for their items (and no
+            # pass waits for items others hold). Those of this one take theirs back themselves.
+            self._looked = os.getpid()
+            worker = self._passes.worker
+            keep = ([f"{worker}/sampler"] if self._tagged is not None
+                    else [f"{worker}/loader{k}" for k in range(max(1, getattr(self, "num_workers", 0)))])
+            acks.queue.return_lost(lineage=worker, keep=keep)
         self._passes.next_pass()
         self._pass_ended = False
         return self._pass(super().__iter__(), acks)  # type: ignore[misc]

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -126,11 +127,12 @@ def register(db: Db, qid: int, queue: str, worker: str,
 
 
 def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str,
-                lineage: Optional[str] = None) -> tuple[int, int]:
+                lineage: Optional[str] = None, keep: Collection[str] = ()) -> tuple[int, int]:
     """Return to the queue the items of workers that are gone (dead on this host, or not
     heartbeating: :mod:`wq_sql.worker.heartbeat`) and of expired leases. Returns how many, and how many
     live workers the queue has on this host (0: not known, during an outage). ``lineage``: only
-    that gone identity and those named under it (``<lineage>/...``), and no expired leases."""
+    that gone identity and those named under it (``<lineage>/...``) but the identities in
+    ``keep`` (whose next processes take their items back), and no expired leases."""
     d, host = db.dialect, hostname()
     # expire_tx: decided and done only while no outage could have kept the others from renewing.
     none: tuple[list[statements.Holder], int, bool] = ([], 0, False)
@@ -138,7 +140,8 @@ def return_lost(db: Db, qid: int, me: Member, max_attempts: int, queue: str,
         lambda c: statements.holders_to_check(c, d, qid, me.worker_id, host), default=none, read=True)
     total = 0
     for h in holders:
-        if lineage is not None and h.name != lineage and not h.name.startswith(f"{lineage}/"):
+        if lineage is not None and (h.name in keep or (h.name != lineage
+                                                        and not h.name.startswith(f"{lineage}/"))):
             continue
         gone = why_gone(h, host)
         if gone is None:
