@@ -95,7 +95,8 @@ def test_checkpoint_mode_job_restarted_with_one_rank_less_trains_each_record_onc
     """``consumed="checkpoint"``: 2 ranks (DataLoader ``num_workers=2`` each) save their loader
     state every 5 steps, train 2 steps past the save at step 10 and are SIGKILLed; the job
     restarts with 1 rank (same ``TORCHELASTIC_RUN_ID``, restart 1), which resumes from rank 0's
-    checkpoint. Against each old rank's last checkpoint every record is trained once: what a
+    checkpoint and restores rank 1's state with it (``departed=``). Against each old rank's last
+    checkpoint every record is trained once: what a
     checkpoint covered is never trained again, what it did not (trained after it, read ahead,
     rank 1's whole share) is trained by the new rank; twice only the first records of an item
     that straddled a save (at most one per DataLoader worker and rank)."""
@@ -122,7 +123,9 @@ def test_checkpoint_mode_job_restarted_with_one_rank_less_trains_each_record_onc
     assert held_by_rank1, "rank 1 held nothing at the kill"
 
     started = time.monotonic()
-    finish(start_rank({**job, "hold_at": None}, 0, 1, port, restart=1, script=TRAINER), timeout=120)
+    # The new rank restores rank 0's state and, for the rank that does not come back, rank 1's.
+    finish(start_rank({**job, "hold_at": None, "departed": [f"{ckpt}.rank1"]}, 0, 1, port, restart=1,
+                      script=TRAINER), timeout=120)
     took = time.monotonic() - started
     runs = [e for e in read_log(Path(f"{log}.rank0")) if "restored" in e]
     assert [r["restored"] for r in runs] == [0, 10]

@@ -22,9 +22,10 @@ that epoch's pass; ``save_at_pass_start``: also save right before each pass begi
 checkpoint as ``<ckpt>.step<N>`` too; ``restore``: the checkpoint file to resume from (default
 ``ckpt``); ``persistent_workers``: the DataLoader's; ``kill_at``: die right after training that
 step. ``consumed``: the dataset's (default ``"checkpoint"``). ``per_rank`` jobs: ``hold_at``,
-``step_seconds`` and ``kill_after_save`` may be ``{rank: value}``; ``departed``: checkpoint files of ranks that did not come back, whose loader states this
-rank restores with its own (``load_state_dict(departed=)``); ``epoch_from``: for a rank without a
-checkpoint of its own, the checkpoint whose epoch the job resumes at; ``incarnation``: logged."""
+``step_seconds`` and ``kill_after_save`` may be ``{rank: value}``; ``departed``: checkpoint
+files of ranks that did not come back, whose loader states this rank restores with its own
+(``load_state_dict(departed=)``); ``epoch_from``: for a rank without a checkpoint of its own, the
+checkpoint whose epoch the job resumes at; ``incarnation``: logged."""
 
 from __future__ import annotations
 
