@@ -82,7 +82,7 @@ stress: stress-resume $(VENV)/.tf  ## the resume soak (below), then the end-of-d
 KILLS ?= 50
 stress-resume: $(VENV)/.tf $(VENV)/.torch  ## the resume soak: PyTorch and TensorFlow trainers SIGKILLed 50 times each per backend (about 20 min)
 	WQ_SQL_TEST_PG="$$(bash scripts/ensure-postgres.sh)" && export WQ_SQL_TEST_PG && \
-	WQ_SQL_TEST_KILLS=$(KILLS) timeout 5400 $(BIN)/python -m pytest -q -p no:cacheprovider -s \
+	WQ_SQL_TEST_KILLS=$(KILLS) timeout 5400 $(BIN)/python -m pytest -q -p no:cacheprovider -s -o faulthandler_timeout=1800 \
 	  tests/torch/test_torch_kill.py \
 	  tests/tf/test_tf_resume_regressions.py::test_trainer_killed_at_random_points_loses_nothing
 
