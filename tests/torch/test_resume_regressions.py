@@ -208,6 +208,34 @@ def holding(log: Path, ranks: list[int], incarnation: int) -> bool:
     return all(held(r) for r in ranks)
 
 
+def uneven_ranks_killed(url: str, tmp: Path, queue: str) -> tuple[dict[str, Any], Path, Path]:
+    """A torchrun-style job of 2 ranks over 2 epochs of 40 files, one rank three times slower,
+    killed once both hold (steps 32 and 12, last saves 30 and 10): the job, its log and
+    checkpoint paths (one of each per rank), for the next incarnations."""
+    files, _ = write_files(tmp / "data", 40, LINES)
+    log, ckpt = tmp / "log", tmp / "ckpt.pt"
+    job = {"url": url, "queue": queue, "files": files, "num_epochs": 2, "num_workers": 2,
+           "batch_size": LINES, "every": 5, "log": str(log), "ckpt": str(ckpt), "per_rank": True,
+           "options": {"max_attempts": 1000, "heartbeat_seconds": 60, "lease_seconds": 300}}
+    first = {**job, "hold_at": {"0": 32, "1": 12}, "step_seconds": {"0": 0.01, "1": 0.03}}
+    kill_ranks_when([start(first, r, 2, 0, "job", 0) for r in (0, 1)], lambda: holding(log, [0, 1], 0),
+                    "to their holds")
+    return job, log, ckpt
+
+
+def check_ranks(job: dict[str, Any], restored: list[tuple[int, str, int]]) -> None:
+    """The runs of every rank were ``(incarnation, rank, step restored)``; the final model saw
+    every record of both epochs once, and every item is done."""
+    ranks = {name for _, name, _ in restored}
+    runs = [run for name in sorted(ranks)
+            for run in read_runs(Path(f"{job['log']}.{name}"), f"{job['ckpt']}.{name}")]
+    assert sorted((r.incarnation, r.file[-5:], r.restored) for r in runs) == sorted(restored)
+    exact(runs, Counter(f"f{i:04d}-{j:03d}@e{e}" for e in range(2) for i in range(40) for j in range(LINES)))
+    rows = sql(job["url"], "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = :q "
+                           "GROUP BY epoch, state", q=job["queue"])
+    assert sorted(tuple(r) for r in rows) == [(0, "done", 40), (1, "done", 40)]
+
+
 @pytest.mark.parametrize("run_ids", ["same", "new"])
 def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: str) -> None:
     """ray-project/ray#48224, pytorch/data#1437: a job restarted with another world size lost its
@@ -218,14 +246,7 @@ def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: st
     start at its epoch. ``same``: one ``TORCHELASTIC_RUN_ID``, restart counts 0, 1, 2;
     ``new``: the 3-rank job runs under a new run id, and the 1-rank job is killed right after
     its save (so the items its state lists were never marked done by it). Every record once."""
-    files, _ = write_files(tmp_path / "data", 40, LINES)
-    log, ckpt = tmp_path / "log", tmp_path / "ckpt.pt"
-    job = {"url": db_url, "queue": "world", "files": files, "num_epochs": 2, "num_workers": 2,
-           "batch_size": LINES, "every": 5, "log": str(log), "ckpt": str(ckpt), "per_rank": True,
-           "options": {"max_attempts": 1000, "heartbeat_seconds": 60, "lease_seconds": 300}}
-    a = {**job, "hold_at": {"0": 32, "1": 12}, "step_seconds": {"0": 0.01, "1": 0.03}}
-    ranks = [start(a, r, 2, 0, "job", 0) for r in (0, 1)]
-    kill_ranks_when(ranks, lambda: holding(log, [0, 1], 0), "to their holds")
+    job, log, ckpt = uneven_ranks_killed(db_url, tmp_path, "world")
     b = {**job, "departed": [f"{ckpt}.rank1"]}
     if run_ids == "same":
         kill_ranks_when([start({**b, "hold_at": 42}, 0, 1, 1, "job", 1)], lambda: holding(log, [0], 1),
@@ -240,14 +261,8 @@ def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: st
     for p in [start(c, r, 3, 2, run_id, restart) for r in (0, 1, 2)]:
         finish(p)
 
-    runs = [run for r in (0, 1, 2) for run in read_runs(Path(f"{log}.rank{r}"), f"{ckpt}.rank{r}")]
-    assert sorted((r.incarnation, r.file[-5:], r.restored) for r in runs) == [
-        (0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30),
-        (2, "rank0", 40), (2, "rank1", 0), (2, "rank2", 0)]
-    exact(runs, Counter(f"f{i:04d}-{j:03d}@e{e}" for e in range(2) for i in range(40) for j in range(LINES)))
-    rows = sql(db_url, "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = 'world' "
-                       "GROUP BY epoch, state")
-    assert sorted(tuple(r) for r in rows) == [(0, "done", 40), (1, "done", 40)]
+    check_ranks(job, [(0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30),
+                      (2, "rank0", 40), (2, "rank1", 0), (2, "rank2", 0)])
 
 
 def snapshot(url: str, queue: str) -> dict[str, list[Any]]:
@@ -321,20 +336,7 @@ def test_resume_of_ranks_whose_steps_differ(db_url: str, tmp_path: Path) -> None
     steps differ, and one rank's restore must not compare its step with another's checkpoints.
     2 ranks (steps 32 and 12 at the kill, last saves 30 and 10) restart as 2 ranks, each from its
     own state: rank 1's restore (step 10) leaves rank 0's checkpoints up to 30 done."""
-    files, _ = write_files(tmp_path / "data", 40, LINES)
-    log, ckpt = tmp_path / "log", tmp_path / "ckpt.pt"
-    job = {"url": db_url, "queue": "uneven", "files": files, "num_epochs": 2, "num_workers": 2,
-           "batch_size": LINES, "every": 5, "log": str(log), "ckpt": str(ckpt), "per_rank": True,
-           "options": {"max_attempts": 1000, "heartbeat_seconds": 60, "lease_seconds": 300}}
-    a = {**job, "hold_at": {"0": 32, "1": 12}, "step_seconds": {"0": 0.01, "1": 0.03}}
-    kill_ranks_when([start(a, r, 2, 0, "job", 0) for r in (0, 1)], lambda: holding(log, [0, 1], 0),
-                    "to their holds")
+    job, log, ckpt = uneven_ranks_killed(db_url, tmp_path, "uneven")
     for p in [start(job, r, 2, 1, "job", 1) for r in (0, 1)]:
         finish(p)
-    runs = [run for r in (0, 1) for run in read_runs(Path(f"{log}.rank{r}"), f"{ckpt}.rank{r}")]
-    assert sorted((r.incarnation, r.file[-5:], r.restored) for r in runs) == [
-        (0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30), (1, "rank1", 10)]
-    exact(runs, Counter(f"f{i:04d}-{j:03d}@e{e}" for e in range(2) for i in range(40) for j in range(LINES)))
-    rows = sql(db_url, "SELECT epoch, state, count(*) FROM wq_audit WHERE queue = 'uneven' "
-                       "GROUP BY epoch, state")
-    assert sorted(tuple(r) for r in rows) == [(0, "done", 40), (1, "done", 40)]
+    check_ranks(job, [(0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30), (1, "rank1", 10)])
