@@ -45,6 +45,12 @@ QUICK_START = Harness("trained = []\ndef train_on(path):\n    trained.append(pat
                       'assert sorted(trained) == sorted(["part-0.txt", "part-1.txt", "part-2.txt"] * 2), '
                       "trained\n")
 HARNESSES = {
+    "from wq_sql import WorkQueue\n\nweb_files": Harness(  # the mixing guide's
+        "trained = []\ndef train_on(path):\n    trained.append(path)\n",
+        "from collections import Counter\n"
+        "c = Counter(p.split('/')[0] for p in trained)\n"
+        "assert c == {'web': 1200, 'code': 600, 'math': 200}, c\n"
+        "assert len(set(p for p in trained if p.startswith('math'))) == 200\n"),
     "from wq_sql import WorkQueue\n\n# Every worker": QUICK_START,  # the README's
     "from wq_sql import WorkQueue, QueueExhausted": QUICK_START,  # the guide's
     "import logging": Harness(

@@ -7,7 +7,16 @@
 """
 
 from wq_sql import _moved
-from wq_sql.admin import compact_queue, drop_queue, extend_queue, list_queues, reset_queue, upgrade
+from wq_sql.admin import (
+    compact_queue,
+    drop_queue,
+    extend_queue,
+    list_queues,
+    mix_report,
+    reset_queue,
+    set_mix,
+    upgrade,
+)
 from wq_sql.errors import (
     DatabaseBusy,
     DatabaseUnavailable,
@@ -28,6 +37,7 @@ from wq_sql.sources import register_database, register_source
 __all__ = [
     "WorkQueue", "WorkItem", "Progress", "register_source", "register_database",
     "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue", "extend_queue",
+    "set_mix", "mix_report",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
     "DatabaseBusy", "DatabaseUnavailable", "SchemaOutdated", "WorkerConflict", "LeaseLost",
     "UnsafeDatabase", "InvalidInput",

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import getpass
+import os
+import socket
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from sqlalchemy.engine import URL
 
 from wq_sql.errors import InvalidInput, QueueConfigMismatch, QueueNotFound
+from wq_sql.mixing import Source
 from wq_sql.plan import (
-    QueueSpec,
     Work,
     check_count,
     check_name,
     check_num_epochs,
-    check_num_slices,
-    check_prefix,
-    check_seed,
     check_text,
     new_seed,
-    normalize_works,
+    parse_weights,
+    queue_spec,
 )
 from wq_sql.sources import plan_items
-from wq_sql.store import migrate, notify, statements
+from wq_sql.store import migrate, mixing, notify, statements
 from wq_sql.store.dialects import dialect_of
 from wq_sql.store.engine import make_engine, opening, resolve_url
 from wq_sql.worker.joining import DEFAULT_MAX_ATTEMPTS, differences, extend_to
@@ -80,11 +82,12 @@ def current(url: Optional[str | URL] = None, schema: Optional[str] = None) -> Op
         engine.dispose()
 
 
-def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = True,
-                 seed: Optional[int] = None, prefix: Optional[str] = None,
+def create_queue(works: Sequence[Work] | Mapping[str, Sequence[Work]], num_epochs: int = 1,
+                 shuffle: bool = True, seed: Optional[int] = None, prefix: Optional[str] = None,
                  num_slices: Optional[int] = None, name: str = "work_queue", *,
                  url: Optional[str | URL] = None, max_attempts: Optional[int] = None,
-                 schema: Optional[str] = None) -> tuple[bool, Any]:
+                 schema: Optional[str] = None,
+                 weights: Optional[Mapping[str, float]] = None) -> tuple[bool, Any]:
     """Create a queue ahead of the job, without joining it as a worker; the arguments and their
     validation are ``WorkQueue``'s. Returns ``(created, queue row)``: ``created`` is False when a
     queue of that name exists with the same configuration (as a joining worker would accept it);
@@ -94,8 +97,7 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
     url="sqlite:///q.db")``.
     """
     name = _lookup_name(check_name(name))
-    spec = QueueSpec(normalize_works(works), check_num_epochs(num_epochs), bool(shuffle),
-                     check_seed(seed), check_num_slices(num_slices), check_prefix(prefix))
+    spec = queue_spec(works, weights, num_epochs, shuffle, seed, num_slices, prefix)
     if max_attempts is not None:
         check_count("max_attempts", max_attempts)  # an INTEGER column, as num_slices (checked above)
     engine = _engine(url, schema)
@@ -114,7 +116,8 @@ def create_queue(works: Sequence[Work], num_epochs: int = 1, shuffle: bool = Tru
             if row is None and items is not None:
                 qid = statements.create_queue(conn, b, name, spec, items,
                                        spec.seed if spec.seed is not None else new_seed(),
-                                       DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
+                                       DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts,
+                                       operator())
                 created = qid is not None
                 row = statements.find_queue(conn, name)
             if row is None:
@@ -140,6 +143,62 @@ def extend_queue(name: str, num_epochs: int, url: Optional[str | URL] = None,
     notify.ring(conn.engine, row.id)  # workers waiting at the old end see the new epochs now
     conn.engine.dispose()  # _queue_tx disposed it before; the ring may have connected again
     return row.num_epochs, num_epochs
+
+
+def operator() -> str:
+    """Who runs an operator verb, as ``wq_mixes.by`` records it: ``user@host (pid N)``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()} (pid {os.getpid()})"
+
+
+def set_mix(name: str, weights: Mapping[str, float] | str, url: Optional[str | URL] = None,
+            schema: Optional[str] = None, *, by: Optional[str] = None) -> mixing.MixOutcome:
+    """Change the weights of a running weighted queue, for every worker at once, in one
+    transaction: the items no worker has claimed yet are drawn again at the new weights (each
+    worker follows from its next claim round), later epochs are drawn at them, and the change is
+    recorded in ``wq_mixes`` with ``by`` (default: ``user@host (pid N)``) and the time.
+    ``weights``: a dict, or text as ``wq-sql mix --set`` takes it (``"web=0.5,code=0.4,math=0.1"``).
+    Bad weights raise ``InvalidInput`` and change nothing. Example:
+    ``set_mix("train", {"web": 0.5, "code": 0.4, "math": 0.1}, url="sqlite:///q.db")``."""
+    given = parse_weights(weights) if isinstance(weights, str) else weights
+    with _queue_tx(name, url, schema) as (conn, row):
+        out = mixing.set_mix(conn, row.id, given, by or operator(), row.shuffle, row.seed)
+    return out
+
+
+@dataclass(frozen=True)
+class MixReport:
+    """A weighted queue's sources (weights in force), its changes (``wq_mixes`` rows, oldest
+    first) and per epoch and source what it drew and delivered (``mixing.Share``)."""
+
+    name: str
+    sources: list[Source]
+    changes: list[Any]
+    shares: list[mixing.Share]
+
+
+def mix_report(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> MixReport:
+    """The weights in force, their history and the realized shares of queue ``name``
+    (``QueueNotFound`` for a queue without sources)."""
+    name = _lookup_name(name)
+    engine = _engine(url, schema)
+    try:
+        with opening(engine.url):
+            migrate.ensure_schema(engine, schema)
+        with opening(engine.url), engine.connect() as conn:
+            row = statements.find_queue(conn, name)
+            if row is None:
+                raise QueueNotFound(f"no queue named {name!r}")
+            sources = mixing.load_sources(conn, row.id)
+            if not sources:
+                raise QueueNotFound(f"queue {name!r} has no weighted sources (it was created from a list "
+                                    "of works)")
+            return MixReport(name, sources, mixing.changes(conn, row.id), mixing.shares(conn, row.id))
+    finally:
+        engine.dispose()
 
 
 def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> None:

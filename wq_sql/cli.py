@@ -70,9 +70,11 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from wq_sql import admin
 from wq_sql.errors import DatabaseUnavailable, QueueNotFound, SchemaOutdated, WqSqlError
 from wq_sql.monitor import report
+from wq_sql.plan import parse_weights
 from wq_sql.sources import source_for
 from wq_sql.states import CLAIMED, DONE, FAILED
 from wq_sql.store import migrate, notify, statements
+from wq_sql.store import mixing as mixing_store
 from wq_sql.store.dialects import Dialect, dialect_of, sqlite_file
 from wq_sql.store.engine import first_line as _first_line
 from wq_sql.store.engine import make_engine, opening, resolve_url
@@ -355,13 +357,16 @@ def _snapshot(engine: Engine, fn: Callable[[Connection], T]) -> T:
 
 def cmd_create(args: argparse.Namespace) -> int:
     url = _url(args)
-    works = _read_works(args)
+    given: Any = _read_sources(args.source) if args.source else _read_works(args)
+    if args.weights is not None and not args.source:
+        raise CliError("--weights needs named sources: give them with --source NAME=WORK (repeatable)")
+    works = [w for ws in given.values() for w in ws] if args.source else given
     engine, _ = _engine(args, must_exist=False)  # a clear line if the database is unreachable
     engine.dispose()
     created, q = admin.create_queue(
-        works, num_epochs=args.epochs, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
+        given, num_epochs=args.epochs, shuffle=args.shuffle, seed=args.seed, prefix=args.prefix,
         num_slices=args.num_slices, name=args.name, url=url, max_attempts=args.max_attempts,
-        schema=args.schema)
+        schema=args.schema, weights=None if args.weights is None else parse_weights(args.weights))
     how = (f"shuffled with seed {q.seed} (workers may pass seed={q.seed} or seed=None)" if q.shuffle
            else "in order")
     if created:
@@ -370,6 +375,9 @@ def cmd_create(args: argparse.Namespace) -> int:
     else:
         print(f"queue {q.name!r} already exists with this configuration ({q.n_works} items per epoch, "
               f"{q.num_epochs} epoch(s), {how}); nothing to do")
+        if args.weights is not None:
+            print(f"note: the weights in force stay; change them with: {PROG} mix {q.name} --set WEIGHTS",
+                  file=sys.stderr)
     relative = _relative_paths(works, args.prefix)
     if relative:
         example = _Cut()(repr(relative[0]))
@@ -422,17 +430,36 @@ def _read_works(args: argparse.Namespace) -> list[str]:
         if not works:
             raise CliError(f"--works-from {src!r} lists no works (one per line; # starts a comment)")
         return works
+    return _expand(args.works, "--works")
+
+
+def _expand(args: Sequence[str], option: str) -> list[str]:
+    """Works as given, each argument with * ? [ a glob of local files, expanded in sorted order."""
     works = []
-    for arg in args.works:
+    for arg in args:
         if GLOB_CHARS & set(arg) and source_for(arg) is None:  # table:t?key=id is no glob
             found = sorted(glob.glob(arg, recursive=True))
             if not found:
-                raise CliError(f"--works {arg!r} matches no file (relative to {os.getcwd()}); quote the "
-                               "pattern so that the shell does not expand it")
+                what = f"{option}{'' if option.endswith('=') else ' '}{arg!r}"
+                raise CliError(f"{what} matches no file (relative to {os.getcwd()}); quote the pattern so "
+                               "that the shell does not expand it")
             works += found
         else:
             works.append(arg)
     return works
+
+
+def _read_sources(specs: Sequence[str]) -> dict[str, list[str]]:
+    """``--source web=data/web/*.txt --source code=a.txt``: the works of each named source, in
+    the order given (a source named twice gets the works of both, in order)."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, eq, work = spec.partition("=")
+        if not eq or not name.strip() or not work.strip():
+            raise CliError(f"--source {spec!r}: write NAME=WORK or NAME=GLOB, e.g. "
+                           "--source 'web=data/web/*.txt'")
+        out.setdefault(name.strip(), []).extend(_expand([work.strip()], f"--source {name.strip()}="))
+    return out
 
 
 def cmd_extend(args: argparse.Namespace) -> int:
@@ -445,6 +472,38 @@ def cmd_extend(args: argparse.Namespace) -> int:
     else:
         print(f"queue {args.name!r}: num_epochs {before} -> {after}; workers now join with "
               f"num_epochs={after}")
+    return 0
+
+
+def cmd_mix(args: argparse.Namespace) -> int:
+    url = _url(args)
+    if args.set is not None:
+        out = admin.set_mix(args.name, args.set, url, args.schema)
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in out.weights.items())
+        if out.epoch is None:
+            print(f"queue {args.name!r}: weights now {shown}; no undelivered item was waiting, so the "
+                  "next epochs follow them")
+        else:
+            print(f"queue {args.name!r}: weights now {shown}; {out.redrawn} undelivered items redrawn "
+                  f"from epoch {out.epoch} seq {out.seq} on; every worker follows from its next claim")
+        return 0
+    r = admin.mix_report(args.name, url, args.schema)
+    print(f"queue {args.name!r}: weights in force")
+    for s in r.sources:
+        print(f"  {s.name:<16} {s.weight:8.4f}   ({s.n} items)")
+    print("changes:")
+    for c in r.changes:
+        where = "" if c.id == r.changes[0].id else f" (from epoch {c.epoch} seq {c.seq}, {c.redrawn} redrawn)"
+        print(f"  {c.at:%Y-%m-%d %H:%M:%S} by {c.by}: {c.weights}{where}")
+    print("realized shares per epoch (delivered items; drawn: the epoch's plan as it stands):")
+    print(f"  {'epoch':>5}  {'source':<16} {'drawn':>8} {'delivered':>9} {'share':>7}")
+    per_epoch: dict[int, int] = {}
+    for sh in r.shares:
+        per_epoch[sh.epoch] = per_epoch.get(sh.epoch, 0) + sh.delivered
+    for sh in r.shares:
+        total = per_epoch[sh.epoch]
+        share = f"{100.0 * sh.delivered / total:6.2f}%" if total else "      -"
+        print(f"  {sh.epoch:>5}  {sh.source:<16} {sh.drawn:>8} {sh.delivered:>9} {share:>7}")
     return 0
 
 
@@ -530,7 +589,12 @@ def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
            + (f"shuffled (seed {q.seed})" if q.shuffle else "in order")
            + (f", prefix {_Cut()(repr(q.prefix))}" if q.prefix else "")
            + (f", {q.num_slices} slices" if q.num_slices else "")
-           + f", max {q.max_attempts} attempts", ""]
+           + f", max {q.max_attempts} attempts"]
+    mix = mixing_store.load_sources(conn, q.id)
+    if mix:
+        out.append("weighted sources (wq-sql mix to see or change them): "
+                   + ", ".join(f"{s.name}={s.weight:.4g}" for s in mix))
+    out.append("")
 
     rows: list[list[object]] = []
     totals = [0, 0, 0, 0]
@@ -898,6 +962,11 @@ def _parser() -> argparse.ArgumentParser:
                           "its own working directory")
     src.add_argument("--works-from", metavar="FILE",
                      help="a text file listing one work per line (- for stdin; # starts a comment)")
+    src.add_argument("--source", action="append", metavar="NAME=WORK",
+                     help="a weighted queue: a work (or a quoted glob) of source NAME; repeat it for "
+                          "more works and more sources ('web=data/web/*.txt' --source 'code=data/code/*')")
+    cr.add_argument("--weights", metavar="WEIGHTS",
+                    help="with --source: the sources' weights, e.g. web=0.7,code=0.3 (default: equal)")
     cr.add_argument("--epochs", type=int, default=1, help="num_epochs (default 1)")
     cr.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                     help="shuffle each epoch (default: yes)")
@@ -910,6 +979,12 @@ def _parser() -> argparse.ArgumentParser:
              "the new num_epochs")
     ex.add_argument("name", metavar="NAME")
     ex.add_argument("--epochs", type=int, required=True, metavar="N", help="the new num_epochs")
+    mx = add("mix", cmd_mix, "show a weighted queue's weights, their changes and the realized shares per "
+             "epoch; with --set, change the weights of the running queue for every worker")
+    mx.add_argument("name", metavar="NAME")
+    mx.add_argument("--set", metavar="WEIGHTS",
+                    help="new weights, every source named once: e.g. web=0.5,code=0.4,math=0.1 (they need "
+                         "not sum to 1; 0 leaves a source out)")
     st = add("status", cmd_status, "items per epoch and state, and the live workers of a queue")
     st.add_argument("name", metavar="NAME")
     st.add_argument("--watch", action="store_true", help="redraw with a progress bar until the queue is done")

@@ -5,10 +5,11 @@ the per-epoch shuffle, and slicing. No database access here.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
@@ -30,10 +31,19 @@ class QueueSpec:
     seed: Optional[int]
     num_slices: Optional[int]
     prefix: Optional[str]
+    # A weighted queue: its sources' names and how many of ``works`` each holds, in order, and
+    # the weights given at creation (normalised to sum to 1). Empty: a plain list of works.
+    sources: tuple[tuple[str, int], ...] = ()
+    weights: tuple[float, ...] = ()
 
     @property
     def works_digest(self) -> str:
-        return works_digest(self.works)
+        if not self.sources:
+            return works_digest(self.works)
+        # The sources' boundaries are part of what workers must agree on; the weights are not
+        # (they change while the queue runs: wq-sql mix).
+        head = tuple(f"\x00wq_sql source {name} {n}" for name, n in self.sources)
+        return works_digest(head + self.works)
 
 
 def normalize_works(works: Sequence[Work]) -> tuple[str, ...]:
@@ -63,6 +73,96 @@ def normalize_works(works: Sequence[Work]) -> tuple[str, ...]:
         check_text(f"works[{i}]", w)
         out.append(w)
     return tuple(out)
+
+
+# A source name: what `wq-sql mix NAME --set web=0.5` and SQL filters spell.
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
+
+
+def queue_spec(works: Union[Sequence[Work], Mapping[str, Sequence[Work]]],
+               weights: Optional[Mapping[str, float]], num_epochs: object, shuffle: object, seed: object,
+               num_slices: object, prefix: object) -> QueueSpec:
+    """The checked configuration of a queue from ``WorkQueue``'s arguments: a list of works, or
+    a dict of named sources (``weights``: their weights, default equal; see ``wq_sql.mixing``)."""
+    common = (check_num_epochs(num_epochs), bool(shuffle), check_seed(seed), check_num_slices(num_slices),
+              check_prefix(prefix))
+    if not isinstance(works, Mapping):
+        if weights is not None:
+            raise InvalidInput("weights= needs named sources: pass works as a dict, e.g. "
+                               "{'web': web_files, 'code': code_files}, weights={'web': 0.7, 'code': 0.3}")
+        return QueueSpec(normalize_works(works), *common)
+    names, lists = split_sources(works)
+    flat = tuple(w for ws in lists for w in ws)
+    return QueueSpec(flat, *common, sources=tuple(zip(names, map(len, lists))),
+                     weights=check_weights(weights, names))
+
+
+def split_sources(works: Mapping[str, Sequence[Work]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``{"web": [...], "code": [...]}`` → (the names in the order given, each source's works
+    normalised). Each source must be a non-empty list of works."""
+    if not isinstance(works, Mapping) or not works:
+        raise InvalidInput("weighted works must be a non-empty dict of source name -> list of works")
+    names, lists = [], []
+    for name, ws in works.items():
+        names.append(check_source_name(name))
+        try:
+            lists.append(normalize_works(ws))
+        except InvalidInput as e:
+            raise InvalidInput(f"source {name!r}: {e}") from None
+    return tuple(names), lists
+
+
+def check_source_name(name: object) -> str:
+    if not isinstance(name, str) or not _SOURCE_NAME.match(name):
+        raise InvalidInput(f"source name {name!r}: use 1 to 100 letters, digits, '_', '-' or '.'")
+    return name
+
+
+def check_weights(weights: object, names: Sequence[str]) -> tuple[float, ...]:
+    """The weights of ``names``, in their order, from a mapping (or ``None``: all equal). Each
+    must be a finite number >= 0, not all zero; a missing source weighs 0 only if named with 0:
+    every source must be given, so that a typo is not a silent zero."""
+    if weights is None:
+        return tuple(1.0 / len(names) for _ in names)
+    if not isinstance(weights, Mapping):
+        raise InvalidInput(f"weights must be a dict of source name -> number, got {type(weights).__name__}")
+    unknown = [k for k in weights if k not in names]
+    if unknown:
+        raise InvalidInput(f"weights name {', '.join(map(repr, unknown))}, which the queue does not have; "
+                           f"its sources are {', '.join(map(repr, names))}")
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise InvalidInput(f"weights give no weight to {', '.join(map(repr, missing))}; give every source "
+                           "one (0 to leave a source out)")
+    out = []
+    for n in names:
+        w = weights[n]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise InvalidInput(f"weight of {n!r} must be a finite number >= 0, got {w!r}")
+        out.append(float(w))
+    s = sum(out)
+    if s <= 0:
+        raise InvalidInput("weights are all zero: at least one source must have a weight above 0")
+    return tuple(w / s for w in out)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"web=0.5,code=0.4,math=0.1"`` → a dict (``check_weights`` checks it against a queue)."""
+    check_text("weights", text)
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name or not value:
+            raise InvalidInput(f"weights {text!r}: write NAME=WEIGHT pairs separated by commas, "
+                               "e.g. web=0.5,code=0.4,math=0.1")
+        if name in out:
+            raise InvalidInput(f"weights {text!r} name {name!r} twice")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise InvalidInput(f"weight of {name!r} is not a number: {value!r}") from None
+    return out
 
 
 def check_text(what: str, text: str) -> None:
@@ -222,6 +322,7 @@ class PlannedItem:
 
     work: str
     bounds: Optional[str] = None
+    of: int = 0  # the index of the given work it comes from (a slice: the work it cuts)
 
 
 def slice_name(work: str, start: int, end: int) -> str:

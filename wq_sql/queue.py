@@ -26,13 +26,11 @@ from wq_sql.plan import (
     check_count,
     check_name,
     check_num_epochs,
-    check_num_slices,
     check_options,
-    check_prefix,
-    check_seed,
-    normalize_works,
+    queue_spec,
 )
 from wq_sql.sources import read_slice
+from wq_sql.store import mixing as mixing_store
 from wq_sql.store import statements
 from wq_sql.store.db import LOCK_SLICE, Db
 from wq_sql.store.engine import keep_for_children, resolve_url, worker_engine
@@ -85,6 +83,19 @@ def prepare_children(url: Optional[str | URL] = None, *, schema: Optional[str] =
     keep_for_children(resolve_url(url), **_engine_options(schema, busy_timeout))
 
 
+def note_weights(db: Db, qid: int, name: str, spec: Optional[QueueSpec]) -> bool:
+    """Whether the queue has sources; a worker that joins with other weights than those in
+    force is told that the ones in force stay (``wq-sql mix`` changes them, for every worker)."""
+    sources = db.tx(lambda c: mixing_store.load_sources(c, qid), read=True)
+    if sources and spec is not None and spec.weights:
+        stored = [s.weight for s in sources]
+        if any(abs(a - b) > 1e-9 for a, b in zip(stored, spec.weights)):
+            log.info("queue %r: the weights in force (%s) stay; the weights given are not applied "
+                     "(change them with wq-sql mix or wq_sql.set_mix)", name,
+                     ", ".join(f"{s.name}={s.weight:.4g}" for s in sources))
+    return bool(sources)
+
+
 class WorkQueue:
     """A global queue of work items in a SQL table that many worker processes claim from.
 
@@ -97,7 +108,8 @@ class WorkQueue:
                 train_on(path)
 
     Arguments before ``*`` are DeepRec's: ``works`` (a non-empty list of str or UTF-8 bytes, each
-    stripped; ``None`` only through :meth:`attach`), ``num_epochs``, ``shuffle``, ``seed``
+    stripped; or a dict of named sources, each such a list, with ``weights=``; ``None`` only
+    through :meth:`attach`), ``num_epochs``, ``shuffle``, ``seed``
     (``None``: a random one when creating, the stored one when joining), ``prefix`` (prepended to
     each work when it is handed out; may differ between workers), ``num_slices`` (cut sliceable
     works, ``table:...`` and ``lines:...``, into this many items in all) and ``name`` (the queue;
@@ -142,6 +154,11 @@ class WorkQueue:
     - ``run=(run_id, restart)``: the job run this worker belongs to and its restart count; a worker
       of a later restart returns the earlier restarts' items at once (``wq_sql.torch`` passes
       torchrun's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``).
+    - ``weights``: with ``works`` a dict of named sources (``{"web": [...], "code": [...]}``),
+      each source's weight (default equal): an epoch draws each source at its share, every item
+      of a source once before any repeats, interleaved evenly. Used when the queue is created;
+      afterwards the weights in force are the stored ones, changed for every worker by
+      :func:`wq_sql.set_mix` (``wq-sql mix``). See ``docs/guide/mixing.md``.
 
     Events go to the ``wq_sql`` logger: WARNING for what needs attention (a lost database
     connection, recovered items), INFO for routine ones (a queue created, expired leases).
@@ -157,11 +174,11 @@ class WorkQueue:
                  heartbeat_seconds: Optional[float] = None, poll_seconds: float = 1.0,
                  busy_timeout: float = 30.0, schema: Optional[str] = None,
                  engine: Optional[Engine] = None, claim_ahead: bool = True,
-                 run: Optional[tuple[str, int]] = None) -> None:
+                 run: Optional[tuple[str, int]] = None,
+                 weights: Optional[Mapping[str, float]] = None) -> None:
         self.name = check_name(name)
-        spec = None if works is None else QueueSpec(
-            normalize_works(works), check_num_epochs(num_epochs), bool(shuffle), check_seed(seed),
-            check_num_slices(num_slices), check_prefix(prefix))
+        spec = None if works is None else queue_spec(works, weights, num_epochs, shuffle, seed, num_slices,
+                                                     prefix)
         self._opts = o = check_options(lease_seconds, lease_ahead, max_attempts, auto_complete,
                                        max_item_seconds, heartbeat_seconds, poll_seconds, busy_timeout,
                                        schema, claim_ahead, run)
@@ -176,13 +193,14 @@ class WorkQueue:
                            stall_seconds=o.heartbeat_seconds)
         try:
             db.retrying(lambda: ensure_schema(own, schema))
-            self._row = row = open_queue(db, self.name, spec, max_attempts)
+            self._row = row = open_queue(db, self.name, spec, max_attempts, by=self.worker)
             self._qid: int = row.id
+            weighted = note_weights(db, row.id, self.name, spec)
             self.prefix: Optional[str] = row.prefix if spec is None else spec.prefix
             self._extent = Extent(row.n_works, row.num_epochs)
-            epochs = EpochMaker(db, Order(row.id, row.n_works, row.shuffle, row.seed), row.epochs_created,
-                                weak_method(self._num_epochs, 0), weak_method(self._epoch_rows, None),
-                                self.name)
+            order = Order(row.id, row.n_works, row.shuffle, row.seed, weighted)
+            epochs = EpochMaker(db, order, row.epochs_created, weak_method(self._num_epochs, 0),
+                                weak_method(self._epoch_rows, None), self.name)
             member, recovered = register(db, self._qid, self.name, self.worker, self._terms())
             rules = Rules(self.name, self.worker, o.lease_ahead, o.poll_seconds, row.max_attempts,
                           o.auto_complete, o.claim_ahead)

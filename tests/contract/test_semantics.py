@@ -31,7 +31,7 @@ from wq_sql.store.engine import resolve_url
 
 WORKS = ["to", "be", "or", "not", "to", "be"]
 AUDIT_COLUMNS = ["queue", "epoch", "seq", "work", "worker", "state", "attempts", "claimed_at",
-                 "done_at", "last_error", "item_id"]
+                 "done_at", "last_error", "item_id", "source"]
 
 
 # ---------------------------------------------------------------- helpers

@@ -185,3 +185,4 @@ def test_the_migrated_claim_round_is_the_text_of_claim_round_sql(pg_url: str) ->
         drop_pg_database(blank)
     assert defs[0] == defs[1]
     assert "v_now" in defs[0]  # 0008's change is in it
+    assert "pg_advisory_xact_lock_shared" in defs[0]  # 0011's

@@ -167,12 +167,13 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
     # Sanity: the snapshot sees what matters, so equality below means something.
     tables = migrated["tables"]
     assert set(tables) == {"wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events",
-                           "wq_checkpoints"}
+                           "wq_checkpoints", "wq_sources", "wq_mixes"}
     assert [c[0] for c in tables["wq_checkpoints"]["checks"]] == ["ck_wq_checkpoints_action"]
     ix = {i[0]: i for i in tables["wq_items"]["indexes"]}
     assert ix["ix_wq_items_pending"][1:] == (("queue_id", "epoch", "seq"), False, "state='pending'")
     assert ix["ix_wq_items_claimed"][1:] == (("queue_id", "worker_id", "lease_until"), False,
                                              "state='claimed'")
+    assert ix["ix_wq_items_draws"][1:2] == (("queue_id", "source", "draw"),)
     assert ("uq_wq_items_queue_id", ("queue_id", "epoch", "seq")) in tables["wq_items"]["uniques"]
     assert ("uq_wq_queues_name", ("name",)) in tables["wq_queues"]["uniques"]
     # The hot path's foreign keys: SQLite only (migration 0009); the others on both backends.
@@ -182,9 +183,9 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
     assert {n: n in fks for n in SQLITE_ONLY_FOREIGN_KEYS} == dict.fromkeys(SQLITE_ONLY_FOREIGN_KEYS, sqlite)
     assert [c[0] for c in migrated["views"]["wq_audit"]["columns"]] == [
         "queue", "epoch", "seq", "work", "worker", "state", "attempts", "claimed_at", "done_at",
-        "last_error", "item_id"]
+        "last_error", "item_id", "source"]
     assert [c[0] for c in migrated["views"]["wq_history"]["columns"]] == [
-        "queue", "epoch", "seq", "kind", "worker", "at", "detail", "item_id", "event_id"]
+        "queue", "epoch", "seq", "kind", "worker", "at", "detail", "item_id", "event_id", "source"]
 
     for name in tables:
         for part in ("columns", "pk", "fks", "indexes", "uniques", "checks"):

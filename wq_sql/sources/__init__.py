@@ -78,7 +78,8 @@ def plan_items(works: Sequence[str], num_slices: Optional[int], engine: Engine,
         if src is not None:
             src.check(w)
     if all(src is None for src in sources):
-        return [PlannedItem(w) for w in works]  # DeepRec: num_slices does nothing for plain paths
+        # DeepRec: num_slices does nothing for plain paths
+        return [PlannedItem(w, of=i) for i, w in enumerate(works)]
     if prefix:
         raise InvalidInput("prefix= applies to plain paths; sliced works (table:, lines:, ...) must "
                            "name their data in full")
@@ -88,9 +89,9 @@ def plan_items(works: Sequence[str], num_slices: Optional[int], engine: Engine,
         log.warning("num_slices=%d is less than the %d non-empty works: each work is one item",
                     num_slices, sum(counts))
     out: list[PlannedItem] = []
-    for w, src, size, k in zip(works, sources, sizes, counts):
+    for i, (w, src, size, k) in enumerate(zip(works, sources, sizes, counts)):
         if src is None:
-            out.append(PlannedItem(w))
+            out.append(PlannedItem(w, of=i))
         elif size == 0 or k == 0:
             log.warning("work %r is empty: it yields no item", redact(w))
         else:
@@ -99,7 +100,8 @@ def plan_items(works: Sequence[str], num_slices: Optional[int], engine: Engine,
                 log.warning("work %r became empty while it was sliced: it yields no item", redact(w))
             for p in pieces:
                 bounds = {"work": w, "start": p.start, "end": p.end, "bounds": p.bounds}
-                out.append(PlannedItem(slice_name(w, p.start, p.end), json.dumps(bounds, sort_keys=True)))
+                out.append(PlannedItem(slice_name(w, p.start, p.end), json.dumps(bounds, sort_keys=True),
+                                       of=i))
     if not out:
         raise InvalidInput("every work is empty, so the queue would have no item; check the tables "
                            "or files named in works")

@@ -179,6 +179,9 @@ class Item(Base):
             sqlite_where=text(f"state = '{CLAIMED}'"),
             postgresql_where=text(f"state = '{CLAIMED}'"),
         ),
+        # Weighted queues: which stream positions rows hold (a mix change, the next epoch).
+        Index("ix_wq_items_draws", "queue_id", "source", "draw",
+              sqlite_where=text("draw IS NOT NULL"), postgresql_where=text("draw IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -198,6 +201,44 @@ class Item(Base):
     # covered this item and made it done (NULL for items done otherwise). Restoring an older
     # checkpoint re-opens the holder's items with a larger step.
     ckpt_step: Mapped[Optional[int]] = mapped_column(BigInteger)
+    # Weighted queues only (``wq_sources``): the source this row was drawn from and its position
+    # in that source's stream (``wq_sql.mixing``); NULL in a queue without sources.
+    source: Mapped[Optional[int]] = mapped_column(Integer)
+    draw: Mapped[Optional[int]] = mapped_column(BigInteger)
+
+
+class SourceRow(Base):
+    """One named source of a weighted queue: its works are ``wq_works`` rows ``first`` ..
+    ``first + n_works - 1``; ``weight`` is the weight in force (changed by ``wq-sql mix``),
+    ``drawn`` the next position of its stream (``wq_sql.mixing``)."""
+
+    __tablename__ = "wq_sources"
+
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    first: Mapped[int] = mapped_column(Integer)
+    n_works: Mapped[int] = mapped_column(Integer)
+    weight: Mapped[float] = mapped_column(Float)
+    drawn: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class MixChange(Base):
+    """One change of a weighted queue's weights (and its creation): who, when, the weights set
+    (JSON, source name -> weight), and where it took effect: the first epoch it redrew and how
+    many undelivered rows it redrew."""
+
+    __tablename__ = "wq_mixes"
+    __table_args__ = (Index("ix_wq_mixes_queue", "queue_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"))
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+    by: Mapped[str] = mapped_column(String(300))
+    weights: Mapped[str] = mapped_column(Text)
+    epoch: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    redrawn: Mapped[int] = mapped_column(BigInteger)
 
 
 class Tally(Base):
@@ -268,11 +309,12 @@ AUDIT_VIEW_SQL = """
 SELECT q.name AS queue, i.epoch AS epoch, i.seq AS seq, w.work AS work,
        wk.name AS worker, i.state AS state, i.attempts AS attempts,
        i.claimed_at AS claimed_at, i.done_at AS done_at, i.last_error AS last_error,
-       i.id AS item_id
+       i.id AS item_id, src.name AS source
 FROM {s}wq_items i
 JOIN {s}wq_queues q ON q.id = i.queue_id
 JOIN {s}wq_works w ON w.queue_id = i.queue_id AND w.idx = i.work_idx
 LEFT JOIN {s}wq_workers wk ON wk.id = i.worker_id
+LEFT JOIN {s}wq_sources src ON src.queue_id = i.queue_id AND src.idx = i.source
 """
 
 EVENTS_VIEW = "wq_history"
@@ -284,25 +326,32 @@ EVENTS_VIEW = "wq_history"
 # item's rows in event_id order read as they did; across items, order by ``at``.
 EVENTS_VIEW_SQL = """
 SELECT q.name AS queue, e.epoch AS epoch, e.seq AS seq, e.kind AS kind,
-       wk.name AS worker, e.at AS at, e.detail AS detail, e.item_id AS item_id, e.id AS event_id
+       wk.name AS worker, e.at AS at, e.detail AS detail, e.item_id AS item_id, e.id AS event_id,
+       src.name AS source
 FROM {s}wq_events e
 JOIN {s}wq_queues q ON q.id = e.queue_id
 LEFT JOIN {s}wq_workers wk ON wk.id = e.worker_id
+LEFT JOIN {s}wq_items si ON si.id = e.item_id
+LEFT JOIN {s}wq_sources src ON src.queue_id = e.queue_id AND src.idx = si.source
 UNION ALL
 SELECT q.name, e.epoch, e.seq, 'claim', wk.name, e.claimed_at, NULL, e.item_id,
-       e.id - CAST(0.5 AS DOUBLE PRECISION)
+       e.id - CAST(0.5 AS DOUBLE PRECISION), src.name
 FROM {s}wq_events e
 JOIN {s}wq_queues q ON q.id = e.queue_id
 LEFT JOIN {s}wq_workers wk ON wk.id = e.worker_id
+LEFT JOIN {s}wq_items si ON si.id = e.item_id
+LEFT JOIN {s}wq_sources src ON src.queue_id = e.queue_id AND src.idx = si.source
 WHERE e.claimed_at IS NOT NULL AND e.kind <> 'claim'
   AND COALESCE((SELECT p.kind FROM {s}wq_events p WHERE p.queue_id = e.queue_id
                 AND p.item_id = e.item_id AND p.id < e.id ORDER BY p.id DESC LIMIT 1), '') <> 'recover'
 UNION ALL
 SELECT q.name, i.epoch, i.seq, 'claim', wk.name, i.claimed_at, NULL, i.id,
-       (SELECT COALESCE(MAX(x.id), 0) FROM {s}wq_events x) + CAST(0.5 AS DOUBLE PRECISION)
+       (SELECT COALESCE(MAX(x.id), 0) FROM {s}wq_events x) + CAST(0.5 AS DOUBLE PRECISION),
+       src.name
 FROM {s}wq_items i
 JOIN {s}wq_queues q ON q.id = i.queue_id
 LEFT JOIN {s}wq_workers wk ON wk.id = i.worker_id
+LEFT JOIN {s}wq_sources src ON src.queue_id = i.queue_id AND src.idx = i.source
 WHERE i.state = 'claimed'
   AND COALESCE((SELECT p.kind FROM {s}wq_events p WHERE p.queue_id = i.queue_id
                 AND p.item_id = i.id ORDER BY p.id DESC LIMIT 1), '') <> 'recover'

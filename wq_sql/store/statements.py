@@ -27,6 +27,7 @@ the same pending row (the second one waits, then sees the first one's committed 
 
 from __future__ import annotations
 
+import bisect
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
+from wq_sql.errors import InvalidInput
+from wq_sql.mixing import Source
 from wq_sql.plan import PlannedItem, QueueSpec, epoch_order
 from wq_sql.states import (
     CK_RESTORE,
@@ -64,6 +67,7 @@ from wq_sql.states import (
     FAILED,
     PENDING,
 )
+from wq_sql.store import mixing
 from wq_sql.store.dialects import SQLITE_NOW, Dialect, dialect_of, qualifier
 from wq_sql.store.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
 
@@ -145,9 +149,10 @@ def find_queue_by_id(conn: Connection, qid: int) -> Any:
 
 
 def create_queue(conn: Connection, b: Dialect, name: str, spec: QueueSpec, works: Sequence[PlannedItem],
-                 seed: int, max_attempts: int) -> Optional[int]:
+                 seed: int, max_attempts: int, by: str = "") -> Optional[int]:
     """Insert the queue, the works of one epoch (``spec.works`` after slicing) and epoch 0;
-    ``None`` if a queue of that name exists.
+    ``None`` if a queue of that name exists. A weighted queue (``spec.sources``) also gets its
+    sources and its first ``wq_mixes`` row, written as made by ``by``.
 
     Concurrent creators are serialised by the unique name (Postgres: the loser's INSERT waits for
     the winner's commit, then does nothing; SQLite: ``BEGIN IMMEDIATE``)."""
@@ -161,8 +166,34 @@ def create_queue(conn: Connection, b: Dialect, name: str, spec: QueueSpec, works
         return None
     _insert_chunked(conn, works_t, ({"queue_id": qid, "idx": i, "work": w.work, "bounds": w.bounds}
                                     for i, w in enumerate(works)))
-    insert_epoch(conn, qid, len(works), 0, spec.shuffle, seed)
+    if spec.sources:
+        srcs = source_rows(spec, works)
+        mixing.insert_sources(conn, qid, srcs, by)
+        mixing.make_epoch(conn, qid, 0, len(works), spec.shuffle, seed, srcs)
+    else:
+        insert_epoch(conn, qid, len(works), 0, spec.shuffle, seed)
     return qid
+
+
+def source_rows(spec: QueueSpec, works: Sequence[PlannedItem]) -> list[Source]:
+    """The sources of a new weighted queue: each source's items are the consecutive ``works``
+    that come from its given works (``PlannedItem.of``)."""
+    ends, total = [], 0
+    for _, n in spec.sources:
+        total += n
+        ends.append(total)
+    count = [0] * len(ends)
+    first = [-1] * len(ends)
+    for i, w in enumerate(works):
+        s = bisect.bisect_right(ends, w.of)
+        count[s] += 1
+        if first[s] < 0:
+            first[s] = i
+    for (name, _), n in zip(spec.sources, count):
+        if n == 0:
+            raise InvalidInput(f"source {name!r} has no items: every work in it is empty")
+    return [Source(k, name, first[k], count[k], spec.weights[k])
+            for k, (name, _) in enumerate(spec.sources)]
 
 
 def _insert_chunked(conn: Connection, table: Any, rows: Iterable[dict[str, Any]]) -> None:
@@ -229,6 +260,12 @@ def advance_epoch(conn: Connection, qid: int, have: int, *, chunk: Optional[int]
         .with_for_update(key_share=True, skip_locked=True)).one_or_none()
     if row is None:
         return None
+    srcs = mixing.load_sources(conn, qid)
+    if srcs:  # a weighted epoch is drawn from the sources' state: all in this transaction
+        mixing.make_epoch(conn, qid, have, row.n_works, row.shuffle, row.seed, srcs)
+        conn.execute(update(queues).where(queues.c.id == qid, queues.c.epochs_created == have)
+                     .values(epochs_created=have + 1))
+        return have + 1
     start = rows_made(conn, qid, have)
     end = row.n_works if chunk is None else min(row.n_works, start + chunk)
     if order is None:
@@ -568,13 +605,17 @@ def reset_queue(conn: Connection, qid: int, n_works: int, shuffle: bool, seed: i
     for table in (items, events, tallies, workers, checkpoints):
         conn.execute(delete(table).where(table.c.queue_id == qid))
     conn.execute(update(queues).where(queues.c.id == qid).values(epochs_created=1))
-    insert_epoch(conn, qid, n_works, 0, shuffle, seed)
+    srcs = mixing.reset_streams(conn, qid)
+    if srcs:
+        mixing.make_epoch(conn, qid, 0, n_works, shuffle, seed, srcs)
+    else:
+        insert_epoch(conn, qid, n_works, 0, shuffle, seed)
 
 
 def drop_queue(conn: Connection, qid: int) -> None:
     """Delete a queue and everything it holds. Children first: SQLite only cascades with
     ``foreign_keys=ON``, which other tools may not set."""
-    for table in (items, events, tallies, workers, works_t, checkpoints):
+    for table in (items, events, tallies, workers, works_t, checkpoints, mixing.sources_t, mixing.mixes):
         conn.execute(delete(table).where(table.c.queue_id == qid))
     conn.execute(delete(queues).where(queues.c.id == qid))
 

@@ -39,6 +39,7 @@ class Order:
     items_per_epoch: int
     shuffle: bool
     seed: int
+    weighted: bool = False  # drawn from sources inside its one transaction: no order here
 
 
 class EpochMaker:
@@ -135,8 +136,8 @@ class EpochMaker:
                 # current epoch and a take(timeout=0) found the next one not made yet).
                 breathe = self._breathe if background and o.items_per_epoch > SHUFFLE_SLICE else None
                 try:
-                    order: Sequence[int] = epoch_order(o.items_per_epoch, have, o.shuffle, o.seed,
-                                                       breathe=breathe)
+                    order: Sequence[int] = () if o.weighted else epoch_order(
+                        o.items_per_epoch, have, o.shuffle, o.seed, breathe=breathe)
                 except _Leaving:
                     return made_rows
                 self._making = (have, order)
@@ -144,7 +145,7 @@ class EpochMaker:
                 order = making[1]
             t = time.monotonic()
             new = db.tx(functools.partial(statements.advance_epoch, qid=qid, have=have, chunk=self.chunk,
-                                          order=order))
+                                          order=order or None))
             if new is None:  # another worker holds the queue row (Postgres) or completed the epoch
                 created = db.tx(lambda c: statements.epochs_created(c, qid), read=True)
                 changed = created != self.created

@@ -19,6 +19,7 @@ from sqlalchemy import Connection, select
 from wq_sql.errors import QueueConfigMismatch, QueueNotFound
 from wq_sql.plan import QueueSpec, new_seed, works_digest
 from wq_sql.sources import plan_items
+from wq_sql.store import mixing as mixing_store
 from wq_sql.store import statements
 from wq_sql.store.db import Db
 from wq_sql.store.redact import safe_url
@@ -27,7 +28,7 @@ log = logging.getLogger("wq_sql")
 
 
 def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
-               max_attempts: Optional[int]) -> statements.QueueRow:
+               max_attempts: Optional[int], by: str = "") -> statements.QueueRow:
     """The queue row of ``name``, created from ``spec`` if there is none (``spec`` None: join
     only, :class:`QueueNotFound` if missing); :class:`QueueConfigMismatch` if the stored queue
     differs from ``spec``. Joining is one read transaction: the row, the check, the counters."""
@@ -48,7 +49,7 @@ def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
 
         def create(c: Connection) -> tuple[Optional[int], Optional[statements.QueueRow]]:
             qid = statements.create_queue(c, db.dialect, name, spec, items, seed,
-                                   DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts)
+                                   DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts, by)
             return qid, statements.queue_row(c, name)
 
         qid, created = db.tx(create)
@@ -83,7 +84,7 @@ def differences(conn: Connection, row: Any, spec: Optional[QueueSpec],
     diffs = []
     if spec is not None:
         if row.works_digest != spec.works_digest:
-            diffs.append(works_difference(conn, row, spec.works))
+            diffs.append(sources_difference(conn, row, spec) or works_difference(conn, row, spec.works))
         if row.num_epochs != spec.num_epochs:
             diffs.append(f"num_epochs: stored {row.num_epochs}, given {spec.num_epochs}")
         if row.shuffle != spec.shuffle:
@@ -100,6 +101,24 @@ def differences(conn: Connection, row: Any, spec: Optional[QueueSpec],
 def extend_to(row: Any, spec: Optional[QueueSpec]) -> Optional[int]:
     """The ``num_epochs`` given, if the stored queue could be extended to it."""
     return spec.num_epochs if spec is not None and spec.num_epochs > row.num_epochs else None
+
+
+def sources_difference(conn: Connection, row: Any, spec: QueueSpec) -> Optional[str]:
+    """How the stored sources and ``spec``'s differ, if their names or shape do (``None``: same
+    names on both sides, or neither has sources: the works themselves differ)."""
+    stored = mixing_store.load_sources(conn, row.id)
+    if not stored and not spec.sources:
+        return None
+    if not stored:
+        return ("the stored queue was created from a list of works, given named sources "
+                f"({', '.join(n for n, _ in spec.sources)})")
+    have = ", ".join(f"{s.name} ({s.n} items)" for s in stored)
+    if not spec.sources:
+        return f"the stored queue has named sources ({have}), given a list of works"
+    if [s.name for s in stored] != [n for n, _ in spec.sources]:
+        return (f"sources differ: stored {have}; given "
+                f"{', '.join(f'{n} ({k} works)' for n, k in spec.sources)}")
+    return None
 
 
 def works_difference(conn: Connection, row: Any, given: Sequence[str]) -> str:

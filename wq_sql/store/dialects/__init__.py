@@ -9,12 +9,23 @@ claim round (``store/hot/claim.py``) keeps its two statement texts side by side 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from sqlalchemy import Connection, Engine, Integer, Text, bindparam, func, literal_column, select, text
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    Integer,
+    Text,
+    bindparam,
+    func,
+    literal_column,
+    select,
+    text,
+)
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import URL
@@ -65,6 +76,8 @@ _SERVER_BUSY = ("the database system is starting up", "too many clients", "remai
 _READ_ONLY = _pg.READ_ONLY
 # Postgres' key for "the wq_sql migration lock" among a database's advisory locks (any constant).
 _PG_MIGRATION_LOCK = 0x77715F73716C
+# The queue's claim lock (with the queue id as second key): see claim_round.sql and migration 0011.
+CLAIM_LOCK = 2003835757
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,29 @@ class Dialect:
         arr = sql_cast(bindparam("order", "{" + values + "}", type_=Text), ARRAY(Integer))
         rows = func.unnest(arr).table_valued("idx", with_ordinality="ord").render_derived()
         return rows, rows.c.ord - 1, rows.c.idx
+
+    def int_columns(self, columns: Sequence[Sequence[int]]) -> tuple[Any, Any, list[Any]]:
+        """A table of several int columns of equal length, sent as one parameter each (Postgres
+        ``unnest(a, b, ...) WITH ORDINALITY``) or as one JSON array of rows (SQLite
+        ``json_each``): (the table, its 0-based position column, the columns). Values must fit
+        a bigint."""
+        if self.is_sqlite:
+            body = ",".join("[" + ",".join(map(str, r)) + "]" for r in zip(*columns))
+            js = bindparam("rows", "[" + body + "]", type_=Text)
+            rows = func.json_each(js).table_valued("key", "value")
+            return rows, rows.c.key, [func.json_extract(rows.c.value, f"$[{k}]") for k in range(len(columns))]
+        arrays = [sql_cast(bindparam(f"c{k}", "{" + ",".join(map(str, c)) + "}", type_=Text),
+                           ARRAY(BigInteger)) for k, c in enumerate(columns)]
+        names = [f"c{k}" for k in range(len(columns))]
+        rows = func.unnest(*arrays).table_valued(*names, with_ordinality="ord").render_derived()
+        return rows, rows.c.ord - 1, [rows.c[n] for n in names]
+
+    def lock_claims(self, conn: Connection, qid: int) -> None:
+        """Hold back every claim of queue ``qid`` until this transaction ends (a change of its
+        pending rows). Postgres: the queue's claim lock, exclusive (``wq_claim_round()`` takes it
+        shared); SQLite: nothing, the transaction's ``BEGIN IMMEDIATE`` already excludes claims."""
+        if not self.is_sqlite:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k, :q)"), {"k": CLAIM_LOCK, "q": qid})
 
     def lock_for_migration(self, conn: Connection) -> None:
         """Serialise schema upgrades: Postgres takes a transaction-scoped advisory lock; on

@@ -6,7 +6,8 @@
 -- one statement and one round trip. Returned rows: kind 'a' for an accepted acknowledgement,
 -- 'c' for a claimed item (with its work).
 --
--- The migrations that made it stay frozen (0007 created it, 0008 stamped one time per step);
+-- The migrations that made it stay frozen (0007 created it, 0008 stamped one time per step,
+-- 0011 took the queue's claim lock);
 -- this file is what `upgrade head` leaves in the database, which tests/migrations checks
 -- against pg_get_functiondef(). {{s}} stands for the schema prefix ("name". or nothing). A change
 -- to the function is a new migration that executes this file's new text.
@@ -44,6 +45,10 @@ BEGIN
         SELECT 'a'::text, x.id, x.epoch, x.seq, 0, 0, NULL::text FROM acked x;
     END IF;
     IF p_limit > 0 THEN
+        -- Shared with every other claim of the queue; a change of its pending rows (a mix
+        -- change, a quarantine) takes it exclusively, so that no claim skips the rows that
+        -- change has locked and claims past them while it runs (wq_sql.store.mixing).
+        PERFORM pg_advisory_xact_lock_shared(2003835757, p_queue);
         ids := ARRAY(SELECT i.id FROM {s}wq_items i
                      WHERE i.queue_id = p_queue AND i.state = 'pending'
                        AND (i.epoch, i.seq) >= (p_floor_epoch, p_floor_seq)
