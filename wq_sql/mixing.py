@@ -29,7 +29,8 @@ from wq_sql.plan import epoch_order
 @dataclass(frozen=True)
 class Source:
     """One source of a weighted queue: its works are ``wq_works`` rows ``first .. first + n - 1``
-    (after slicing), ``drawn`` the stream positions given to item rows so far."""
+    (after slicing), ``drawn`` its stream's next position, ``skip`` positions at or after it
+    that item rows already hold (after a mix change gave back positions below rows it kept)."""
 
     idx: int
     name: str
@@ -37,6 +38,7 @@ class Source:
     n: int
     weight: float
     drawn: int = 0
+    skip: tuple[int, ...] = ()
 
 
 def counts(total: int, weights: Sequence[float]) -> list[int]:

@@ -133,6 +133,7 @@ def upgrade() -> None:
     sa.Column('n_works', sa.Integer(), nullable=False),
     sa.Column('weight', sa.Float(), nullable=False),
     sa.Column('drawn', sa.BigInteger(), server_default='0', nullable=False),
+    sa.Column('skip', sa.Text(), nullable=True),
     sa.ForeignKeyConstraint(['queue_id'], ['wq_queues.id'], name=op.f('fk_wq_sources_queue_id_wq_queues'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('queue_id', 'idx', name=op.f('pk_wq_sources'))
     )
@@ -149,14 +150,11 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_wq_mixes'))
     )
     op.create_index('ix_wq_mixes_queue', 'wq_mixes', ['queue_id', 'id'], unique=False)
-    op.create_index('ix_wq_items_draws', 'wq_items', ['queue_id', 'source', 'draw'], unique=False,
-                    sqlite_where=sa.text('draw IS NOT NULL'), postgresql_where=sa.text('draw IS NOT NULL'))
     _views(NEW_AUDIT, NEW_HISTORY)
 
 
 def downgrade() -> None:
     _views(OLD_AUDIT, OLD_HISTORY)
-    op.drop_index('ix_wq_items_draws', table_name='wq_items', schema=_schema())
     op.drop_table('wq_mixes')
     op.drop_table('wq_sources')
     # Plain ALTER TABLE ... DROP COLUMN (SQLite 3.35+); the views that read wq_items are the

@@ -173,7 +173,6 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
     assert ix["ix_wq_items_pending"][1:] == (("queue_id", "epoch", "seq"), False, "state='pending'")
     assert ix["ix_wq_items_claimed"][1:] == (("queue_id", "worker_id", "lease_until"), False,
                                              "state='claimed'")
-    assert ix["ix_wq_items_draws"][1:2] == (("queue_id", "source", "draw"),)
     assert ("uq_wq_items_queue_id", ("queue_id", "epoch", "seq")) in tables["wq_items"]["uniques"]
     assert ("uq_wq_queues_name", ("name",)) in tables["wq_queues"]["uniques"]
     # The hot path's foreign keys: SQLite only (migration 0009); the others on both backends.

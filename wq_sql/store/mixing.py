@@ -44,23 +44,24 @@ def insert_sources(conn: Connection, qid: int, sources: Sequence[Source], by: st
 def load_sources(conn: Connection, qid: int) -> list[Source]:
     """The queue's sources in order (empty: a queue without sources)."""
     rows = conn.execute(select(sources_t).where(sources_t.c.queue_id == qid).order_by(sources_t.c.idx)).all()
-    return [Source(r.idx, r.name, r.first, r.n_works, r.weight, r.drawn) for r in rows]
+    return [Source(r.idx, r.name, r.first, r.n_works, r.weight, r.drawn,
+                   tuple(json.loads(r.skip)) if r.skip else ()) for r in rows]
 
 
 def make_epoch(conn: Connection, qid: int, epoch: int, n: int, shuffle: bool, seed: int,
                sources: Sequence[Source]) -> None:
     """Insert all ``n`` rows of ``epoch`` of a weighted queue, drawn at the weights in force, and
     move the sources' streams on. The caller holds the queue row (``advance_epoch``)."""
-    taken = [_held(conn, qid, s.idx, s.drawn) for s in sources]
+    taken = [set(s.skip) for s in sources]
     d = draw(Streams(sources, shuffle, seed), [s.drawn for s in sources], [s.weight for s in sources],
              n, seed, epoch, 0, taken)
     _insert_rows(conn, qid, epoch, 0, d)
-    _move_streams(conn, qid, sources, d.cursor)
+    _move_streams(conn, qid, sources, d.cursor, taken)
 
 
 def reset_streams(conn: Connection, qid: int) -> list[Source]:
     """A reset starts every source's stream over; returns the sources (weights in force kept)."""
-    conn.execute(update(sources_t).where(sources_t.c.queue_id == qid).values(drawn=0))
+    conn.execute(update(sources_t).where(sources_t.c.queue_id == qid).values(drawn=0, skip=None))
     return load_sources(conn, qid)
 
 
@@ -126,7 +127,7 @@ def set_mix(conn: Connection, qid: int, given: Mapping[str, Any], by: str, shuff
     for s, w in zip(sources, weights):
         conn.execute(update(sources_t).where(sources_t.c.queue_id == qid, sources_t.c.idx == s.idx)
                      .values(weight=w))
-    _move_streams(conn, qid, sources, cursor)
+    _move_streams(conn, qid, sources, cursor, taken)
     first = tails[0] if tails else None
     epoch = first[0] if first else conn.execute(
         select(queues.c.epochs_created).where(queues.c.id == qid)).scalar_one()
@@ -172,7 +173,9 @@ def changes(conn: Connection, qid: int) -> list[Any]:
 
 def _held(conn: Connection, qid: int, source: int, start: int,
           exclude: Collection[int] = frozenset()) -> set[int]:
-    """Stream positions ``>= start`` of ``source`` that item rows hold (other than ``exclude``)."""
+    """Stream positions ``>= start`` of ``source`` that item rows hold (other than ``exclude``):
+    a scan of the queue's rows, once per mix change (no index on ``draw``: every claim and ack
+    would write an entry into it on Postgres)."""
     rows = conn.execute(select(items.c.id, items.c.draw)
                         .where(items.c.queue_id == qid, items.c.source == source, items.c.draw >= start,
                                items.c.draw.is_not(None)))
@@ -192,11 +195,15 @@ def _insert_rows(conn: Connection, qid: int, epoch: int, start: int, d: Draws) -
             .select_from(t)))
 
 
-def _move_streams(conn: Connection, qid: int, sources: Sequence[Source], cursor: Sequence[int]) -> None:
-    for s, c in zip(sources, cursor):
-        if c != s.drawn:
+def _move_streams(conn: Connection, qid: int, sources: Sequence[Source], cursor: Sequence[int],
+                  taken: Sequence[Collection[int]]) -> None:
+    """Store each source's next position and the held positions at or after it (usually none:
+    no query of the item rows is needed to draw the next epoch)."""
+    for s, c, held in zip(sources, cursor, taken):
+        skip = tuple(sorted(p for p in held if p >= c))
+        if c != s.drawn or skip != s.skip:
             conn.execute(update(sources_t).where(sources_t.c.queue_id == qid, sources_t.c.idx == s.idx)
-                         .values(drawn=c))
+                         .values(drawn=c, skip=json.dumps(skip) if skip else None))
 
 
 def _record(conn: Connection, qid: int, sources: Sequence[Source], weights: Sequence[float], by: str,

@@ -179,9 +179,6 @@ class Item(Base):
             sqlite_where=text(f"state = '{CLAIMED}'"),
             postgresql_where=text(f"state = '{CLAIMED}'"),
         ),
-        # Weighted queues: which stream positions rows hold (a mix change, the next epoch).
-        Index("ix_wq_items_draws", "queue_id", "source", "draw",
-              sqlite_where=text("draw IS NOT NULL"), postgresql_where=text("draw IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -221,6 +218,8 @@ class SourceRow(Base):
     n_works: Mapped[int] = mapped_column(Integer)
     weight: Mapped[float] = mapped_column(Float)
     drawn: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # JSON list of positions >= drawn that item rows hold (left by a mix change), or NULL.
+    skip: Mapped[Optional[str]] = mapped_column(Text)
 
 
 class MixChange(Base):
