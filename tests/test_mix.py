@@ -206,6 +206,41 @@ def test_a_mix_change_reaches_every_worker_within_a_round_and_survives_a_restart
     assert web1 == [], (len(web1), web1[:5], rows(db_url, "SELECT * FROM wq_mixes"))
 
 
+def test_a_change_below_rows_it_keeps_never_gives_one_stream_position_twice(db_url: str) -> None:
+    """A never-claimed row below claimed ones (what a claim in flight leaves) is redrawn with
+    the tail: its source's stream restarts at that row's position and must skip the positions
+    the claimed rows above it hold, also when the change leaves that source out (weight 0) and a
+    later one brings it back. No two rows of a source ever hold the same position, and the skip
+    list is gone once the stream passed it."""
+    works = sources({"web": 7, "code": 5, "math": 3})
+    with WorkQueue(works, weights=SHARES, num_epochs=4, seed=2, url=db_url, name="h", lease_ahead=1,
+                   claim_ahead=False) as q:  # no refill thread to claim the hole first
+        got = [q.take() for _ in range(8)]
+        # A fresh hole at seq 1 (claimed rows above it): as if a claim had skipped it.
+        engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+        with engine.begin() as c:
+            qid = c.execute(sa.text("SELECT id FROM wq_queues WHERE name = 'h'")).scalar_one()
+            c.execute(sa.text("UPDATE wq_items SET state = 'pending', claimed_at = NULL, worker_id = NULL, "
+                              "token = NULL, lease_until = NULL "
+                              "WHERE queue_id = :q AND epoch = 0 AND seq = 1"), {"q": qid})
+        engine.dispose()
+        hole = source_of(got[1])
+        assert sum(source_of(w) == hole for w in got[2:]) >= 1  # positions held above the hole's
+        out = wq_sql.set_mix("h", {s: (0.0 if s == hole else 1.0) for s in SHARES}, url=db_url)
+        assert out.epoch == 0 and out.seq == 1
+        skips = ("SELECT s.name, s.skip FROM wq_sources s JOIN wq_queues q ON q.id = s.queue_id "
+                 "WHERE q.name = 'h' AND s.skip IS NOT NULL")
+        assert [r.name for r in rows(db_url, skips)] == [hole]
+        rest = [q.take() for _ in range(10)]
+        wq_sql.set_mix("h", SHARES, url=db_url)
+        rest += list(q)
+    assert len(rest) == 15 * 4 - 8 + 1  # every row not taken before, the hole among them
+    dup = rows(db_url, "SELECT i.source, i.draw, count(*) FROM wq_items i JOIN wq_queues q ON q.id = "
+                       "i.queue_id WHERE q.name = 'h' GROUP BY i.source, i.draw HAVING count(*) > 1")
+    assert dup == []
+    assert rows(db_url, skips) == []
+
+
 def test_mix_cli_shows_the_weights_changes_and_shares(db_url: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     works = sources({"web": 40, "code": 40, "math": 20})
