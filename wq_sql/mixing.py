@@ -126,7 +126,7 @@ def draw(streams: Streams, cursor: Sequence[int], weights: Sequence[float], tota
             if p not in held[s]:
                 got.append(p)
             p += 1
-        cur[s] = p if c else cur[s]
+        cur[s] = p
         picks.append(got)
     nxt = [0] * len(per)
     works, srcs, poss = [], [], []

@@ -21,7 +21,6 @@ from sqlalchemy.engine import URL
 from wq_sql.errors import InvalidInput, QueueExhausted
 from wq_sql.plan import (
     Part,
-    QueueSpec,
     Work,
     check_count,
     check_name,
@@ -30,7 +29,6 @@ from wq_sql.plan import (
     queue_spec,
 )
 from wq_sql.sources import read_slice
-from wq_sql.store import mixing as mixing_store
 from wq_sql.store import statements
 from wq_sql.store.db import LOCK_SLICE, Db
 from wq_sql.store.engine import keep_for_children, resolve_url, worker_engine
@@ -81,19 +79,6 @@ def prepare_children(url: Optional[str | URL] = None, *, schema: Optional[str] =
     queue object takes it instead of making its own. Pass the ``schema`` and ``busy_timeout``
     the children pass to ``WorkQueue``; other values just make the children build their own."""
     keep_for_children(resolve_url(url), **_engine_options(schema, busy_timeout))
-
-
-def note_weights(db: Db, qid: int, name: str, spec: Optional[QueueSpec]) -> bool:
-    """Whether the queue has sources; a worker that joins with other weights than those in
-    force is told that the ones in force stay (``wq-sql mix`` changes them, for every worker)."""
-    sources = db.tx(lambda c: mixing_store.load_sources(c, qid), read=True)
-    if sources and spec is not None and spec.weights:
-        stored = [s.weight for s in sources]
-        if any(abs(a - b) > 1e-9 for a, b in zip(stored, spec.weights)):
-            log.info("queue %r: the weights in force (%s) stay; the weights given are not applied "
-                     "(change them with wq-sql mix or wq_sql.set_mix)", name,
-                     ", ".join(f"{s.name}={s.weight:.4g}" for s in sources))
-    return bool(sources)
 
 
 class WorkQueue:
@@ -193,9 +178,9 @@ class WorkQueue:
                            stall_seconds=o.heartbeat_seconds)
         try:
             db.retrying(lambda: ensure_schema(own, schema))
-            self._row = row = open_queue(db, self.name, spec, max_attempts, by=self.worker)
+            row, weighted = open_queue(db, self.name, spec, max_attempts, by=self.worker)
+            self._row = row
             self._qid: int = row.id
-            weighted = note_weights(db, row.id, self.name, spec)
             self.prefix: Optional[str] = row.prefix if spec is None else spec.prefix
             self._extent = Extent(row.n_works, row.num_epochs)
             order = Order(row.id, row.n_works, row.shuffle, row.seed, weighted)

@@ -54,7 +54,8 @@ class EpochMaker:
         self.chunk = db.dialect.epoch_chunk
         self._num_epochs, self._made, self._label = num_epochs, made, label
         self._thread: Optional[threading.Thread] = None
-        self._making: Optional[tuple[int, Sequence[int]]] = None  # (epoch, its order) being made here
+        # (epoch, its order) being made here; the order None: drawn in advance_epoch (weighted)
+        self._making: Optional[tuple[int, Optional[Sequence[int]]]] = None
         self._up_to = -1  # the background maker makes epochs up to this one
         self._leaving = threading.Event()  # the queue is closing: stop between chunks
 
@@ -136,7 +137,8 @@ class EpochMaker:
                 # current epoch and a take(timeout=0) found the next one not made yet).
                 breathe = self._breathe if background and o.items_per_epoch > SHUFFLE_SLICE else None
                 try:
-                    order: Sequence[int] = () if o.weighted else epoch_order(
+                    # A weighted epoch is drawn inside advance_epoch's transaction: no order here.
+                    order: Optional[Sequence[int]] = None if o.weighted else epoch_order(
                         o.items_per_epoch, have, o.shuffle, o.seed, breathe=breathe)
                 except _Leaving:
                     return made_rows
@@ -145,7 +147,7 @@ class EpochMaker:
                 order = making[1]
             t = time.monotonic()
             new = db.tx(functools.partial(statements.advance_epoch, qid=qid, have=have, chunk=self.chunk,
-                                          order=order or None))
+                                          order=order))
             if new is None:  # another worker holds the queue row (Postgres) or completed the epoch
                 created = db.tx(lambda c: statements.epochs_created(c, qid), read=True)
                 changed = created != self.created

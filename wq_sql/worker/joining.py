@@ -17,6 +17,7 @@ from typing import Any, Optional
 from sqlalchemy import Connection, select
 
 from wq_sql.errors import QueueConfigMismatch, QueueNotFound
+from wq_sql.mixing import Source
 from wq_sql.plan import QueueSpec, new_seed, works_digest
 from wq_sql.sources import plan_items
 from wq_sql.store import mixing as mixing_store
@@ -28,17 +29,20 @@ log = logging.getLogger("wq_sql")
 
 
 def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
-               max_attempts: Optional[int], by: str = "") -> statements.QueueRow:
+               max_attempts: Optional[int], by: str = "") -> tuple[statements.QueueRow, bool]:
     """The queue row of ``name``, created from ``spec`` if there is none (``spec`` None: join
-    only, :class:`QueueNotFound` if missing); :class:`QueueConfigMismatch` if the stored queue
-    differs from ``spec``. Joining is one read transaction: the row, the check, the counters."""
-    def look(c: Connection) -> tuple[Optional[statements.QueueRow], list[str], tuple[int, int]]:
+    only, :class:`QueueNotFound` if missing), and whether it has weighted sources;
+    :class:`QueueConfigMismatch` if the stored queue differs from ``spec``. Joining is one read
+    transaction: the row, the check, the counters, the sources. A creator ``by`` is recorded as
+    the first mix of a weighted queue."""
+    def look(c: Connection) -> tuple[Optional[statements.QueueRow], list[str], tuple[int, int], list[Source]]:
         row = statements.queue_row(c, name)
         if row is None:
-            return None, [], (0, 0)
-        return row, differences(c, row, spec, max_attempts), statements.progress(c, row.id)
+            return None, [], (0, 0), []
+        return (row, differences(c, row, spec, max_attempts), statements.progress(c, row.id),
+                mixing_store.load_sources(c, row.id))
 
-    row, diffs, (done, failed) = db.tx(look, read=True)
+    row, diffs, (done, failed), sources = db.tx(look, read=True)
     if row is None and spec is None:
         raise QueueNotFound(f"no queue named {name!r} in {safe_url(db.url)}; create it "
                             "with WorkQueue(works, name=...) first")
@@ -47,12 +51,13 @@ def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
         items = plan_items(spec.works, spec.num_slices, db.engine, spec.prefix)  # no transaction
         seed = spec.seed if spec.seed is not None else new_seed()
 
-        def create(c: Connection) -> tuple[Optional[int], Optional[statements.QueueRow]]:
+        def create(c: Connection) -> tuple[Optional[int], Optional[statements.QueueRow], list[Source]]:
             qid = statements.create_queue(c, db.dialect, name, spec, items, seed,
                                    DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts, by)
-            return qid, statements.queue_row(c, name)
+            row = statements.queue_row(c, name)
+            return qid, row, [] if row is None else mixing_store.load_sources(c, row.id)
 
-        qid, created = db.tx(create)
+        qid, created, sources = db.tx(create)
         if created is None:
             raise QueueNotFound(f"queue {name!r} was dropped while this worker created it")
         row = created
@@ -66,7 +71,11 @@ def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
     if done + failed >= row.n_works * row.num_epochs:
         log.warning("queue %r is already finished (%d done, %d failed): take() will raise "
                     "QueueExhausted. Use another name, or reset it to start over.", name, done, failed)
-    return row
+    if sources and spec is not None and any(abs(s.weight - w) > 1e-9 for s, w in zip(sources, spec.weights)):
+        log.info("queue %r: the weights in force (%s) stay; the weights given are not applied "
+                 "(change them with wq-sql mix or wq_sql.set_mix)", name,
+                 ", ".join(f"{s.name}={s.weight:.4g}" for s in sources))
+    return row, bool(sources)
 
 
 DEFAULT_MAX_ATTEMPTS = 3
