@@ -13,8 +13,11 @@ from wq_sql.admin import (
     extend_queue,
     list_queues,
     mix_report,
+    quarantine,
+    quarantined,
     reset_queue,
     set_mix,
+    unquarantine,
     upgrade,
 )
 from wq_sql.errors import (
@@ -37,7 +40,7 @@ from wq_sql.sources import register_database, register_source
 __all__ = [
     "WorkQueue", "WorkItem", "Progress", "register_source", "register_database",
     "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue", "extend_queue",
-    "set_mix", "mix_report",
+    "set_mix", "mix_report", "quarantine", "unquarantine", "quarantined",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
     "DatabaseBusy", "DatabaseUnavailable", "SchemaOutdated", "WorkerConflict", "LeaseLost",
     "UnsafeDatabase", "InvalidInput",

@@ -26,6 +26,7 @@ from wq_sql.plan import (
 )
 from wq_sql.sources import plan_items
 from wq_sql.store import migrate, mixing, notify, statements
+from wq_sql.store import quarantine as quarantine_store
 from wq_sql.store.dialects import dialect_of
 from wq_sql.store.engine import make_engine, opening, resolve_url
 from wq_sql.worker.joining import DEFAULT_MAX_ATTEMPTS, differences, extend_to
@@ -46,9 +47,10 @@ def _lookup_name(name: object) -> str:
 
 @contextmanager
 def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str],
-              must_exist: bool = True) -> Iterator[tuple[Any, Any]]:
+              must_exist: bool = True, ring: bool = False) -> Iterator[tuple[Any, Any]]:
     """One write transaction on the schema-checked database, with queue ``name``'s row (``None``
-    if there is none and not ``must_exist``)."""
+    if there is none and not ``must_exist``). ``ring``: once it committed, the queue's waiting
+    workers are woken (``notify.ring``) to look again."""
     name = _lookup_name(name)
     engine = _engine(url, schema)
     try:
@@ -59,6 +61,26 @@ def _queue_tx(name: str, url: Optional[str | URL], schema: Optional[str],
                 if row is None and must_exist:
                     raise QueueNotFound(f"no queue named {name!r}")
                 yield conn, row
+            if ring and row is not None:
+                notify.ring(engine, row.id)
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def _queue_read(name: str, url: Optional[str | URL], schema: Optional[str]) -> Iterator[tuple[Any, Any]]:
+    """A connection to the schema-checked database, with queue ``name``'s row (``QueueNotFound``
+    if there is none): the reads of the operator verbs."""
+    name = _lookup_name(name)
+    engine = _engine(url, schema)
+    try:
+        with opening(engine.url):
+            migrate.ensure_schema(engine, schema)
+        with opening(engine.url), engine.connect() as conn:
+            row = statements.find_queue(conn, name)
+            if row is None:
+                raise QueueNotFound(f"no queue named {name!r}")
+            yield conn, row
     finally:
         engine.dispose()
 
@@ -169,6 +191,76 @@ def set_mix(name: str, weights: Mapping[str, float] | str, url: Optional[str | U
     return out
 
 
+def _selected(conn: Any, qid: int, work: Optional[str], where: Optional[str]) -> list[int]:
+    """The works a quarantine verb names: by ``work`` (a work or a shell-style pattern) or by
+    ``where`` (a plain predicate, ``wq_sql.store.predicate``), exactly one of them."""
+    if (work is None) == (where is None):
+        raise InvalidInput("name the works either by work= (a work or a pattern such as 'data/bad-*') "
+                           "or by where= (a predicate such as \"state = 'failed'\"), one of the two")
+    if work is not None:
+        if not isinstance(work, str) or not work:
+            raise InvalidInput("work= must be a non-empty str: a work as given, or a pattern with * ? [...]")
+        check_text("work", work)
+        return quarantine_store.works_matching(conn, qid, work)
+    if not isinstance(where, str):
+        raise InvalidInput(f"where= must be a str, got {type(where).__name__}")
+    check_text("where", where)
+    return quarantine_store.works_where(conn, qid, where)
+
+
+def quarantine(name: str, *, work: Optional[str] = None, where: Optional[str] = None, reason: str,
+               url: Optional[str | URL] = None, schema: Optional[str] = None,
+               by: Optional[str] = None) -> quarantine_store.QuarantineOutcome:
+    """Put works of a running queue in quarantine, for every worker at once, in one transaction:
+    no claim, requeue, reset, checkpoint restore or later epoch delivers their items until
+    :func:`unquarantine`; an item in flight is taken back (dropped from its holder's buffer at
+    its next claim round; if already handed out, its ack is rejected). ``work``: a work, or a
+    shell-style pattern over the work strings (``"data/shard-00[3-5].tfrecord"``); ``where``: a
+    plain SQL predicate over ``work``, ``source``, ``epoch``, ``seq``, ``state``, ``attempts``,
+    ``worker``, ``last_error`` (``"state = 'failed' AND last_error LIKE '%CRC%'"``), parsed, never
+    pasted. ``reason`` is recorded with ``by`` and the time. Raises ``InvalidInput``, with
+    nothing changed, when nothing matches or the input is bad."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise InvalidInput("reason= must say why, e.g. reason='corrupt records (CRC errors)'")
+    check_text("reason", reason)
+    with _queue_tx(name, url, schema, ring=True) as (conn, row):  # it may end the queue
+        idxs = _selected(conn, row.id, work, where)
+        if not idxs:
+            named = work if work is not None else where
+            raise InvalidInput(f"no work of queue {row.name!r} matches {named!r}: nothing was quarantined "
+                               "(SELECT DISTINCT work FROM wq_audit WHERE queue = '...' lists the works)")
+        out = quarantine_store.quarantine(conn, row.id, idxs, reason.strip(), by or operator())
+    return out
+
+
+def unquarantine(name: str, *, work: Optional[str] = None, where: Optional[str] = None, all: bool = False,
+                 url: Optional[str | URL] = None, schema: Optional[str] = None,
+                 by: Optional[str] = None) -> tuple[int, int]:
+    """Take works out of quarantine (named as for :func:`quarantine`, or ``all=True``): their
+    quarantined items are pending again, attempts from 0. Returns (works, items). Raises
+    ``InvalidInput`` when none of the works named is in quarantine (nothing changed)."""
+    with _queue_tx(name, url, schema, ring=True) as (conn, row):  # items are claimable again
+        inside = quarantine_store.quarantined_idxs(conn, row.id)
+        if all:
+            if work is not None or where is not None:
+                raise InvalidInput("all=True takes no work= or where=")
+            idxs = sorted(inside)
+        else:
+            idxs = [i for i in _selected(conn, row.id, work, where) if i in inside]
+        if not idxs:
+            raise InvalidInput(f"no work of queue {row.name!r} in quarantine matches "
+                               f"{'all' if all else work if work is not None else where!r}: nothing changed")
+        out = quarantine_store.unquarantine(conn, row.id, idxs, by or operator())
+    return out
+
+
+def quarantined(name: str, url: Optional[str | URL] = None,
+                schema: Optional[str] = None) -> list[quarantine_store.Quarantined]:
+    """The works of queue ``name`` in quarantine: work, reason, who, when, items held back."""
+    with _queue_read(name, url, schema) as (conn, row):
+        return quarantine_store.in_quarantine(conn, row.id)
+
+
 @dataclass(frozen=True)
 class MixReport:
     """A weighted queue's sources (weights in force), its changes (``wq_mixes`` rows, oldest
@@ -183,22 +275,12 @@ class MixReport:
 def mix_report(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> MixReport:
     """The weights in force, their history and the realized shares of queue ``name``
     (``QueueNotFound`` for a queue without sources)."""
-    name = _lookup_name(name)
-    engine = _engine(url, schema)
-    try:
-        with opening(engine.url):
-            migrate.ensure_schema(engine, schema)
-        with opening(engine.url), engine.connect() as conn:
-            row = statements.find_queue(conn, name)
-            if row is None:
-                raise QueueNotFound(f"no queue named {name!r}")
-            sources = mixing.load_sources(conn, row.id)
-            if not sources:
-                raise QueueNotFound(f"queue {name!r} has no weighted sources (it was created from a list "
-                                    "of works)")
-            return MixReport(name, sources, mixing.changes(conn, row.id), mixing.shares(conn, row.id))
-    finally:
-        engine.dispose()
+    with _queue_read(name, url, schema) as (conn, row):
+        sources = mixing.load_sources(conn, row.id)
+        if not sources:
+            raise QueueNotFound(f"queue {row.name!r} has no weighted sources (it was created from a list "
+                                "of works)")
+        return MixReport(row.name, sources, mixing.changes(conn, row.id), mixing.shares(conn, row.id))
 
 
 def reset_queue(name: str, url: Optional[str | URL] = None, schema: Optional[str] = None) -> None:
@@ -227,12 +309,13 @@ def list_queues(url: Optional[str | URL] = None, schema: Optional[str] = None) -
         with opening(engine.url), engine.connect() as conn:
             out = []
             for row in statements.all_queues(conn):
-                done, failed = statements.progress(conn, row.id)
+                done, failed, quarantined = statements.progress(conn, row.id)
                 out.append({
                     "name": row.name, "items_per_epoch": row.n_works, "num_epochs": row.num_epochs,
                     "shuffle": row.shuffle, "seed": row.seed, "num_slices": row.num_slices,
                     "prefix": row.prefix, "epochs_created": row.epochs_created,
-                    "done": done, "failed": failed, "total": row.n_works * row.num_epochs,
+                    "done": done, "failed": failed, "quarantined": quarantined,
+                    "total": row.n_works * row.num_epochs,
                 })
             return out
     finally:

@@ -12,6 +12,14 @@
     wq-sql extend NAME --epochs N
                                 raise a queue's num_epochs (never lowers it)
     wq-sql ls                   queues, their configuration and progress
+    wq-sql mix NAME [--set WEIGHTS]
+                                a weighted queue's weights, their changes, the realized shares;
+                                --set changes the weights of the running queue
+    wq-sql quarantine NAME [(--work PATTERN | --where PREDICATE) --reason TEXT]
+                                hold works back from every worker until unquarantined (no
+                                argument: list the works in quarantine)
+    wq-sql unquarantine NAME (--work PATTERN | --where PREDICATE | --all)
+                                give quarantined works back to the queue
     wq-sql status NAME [--watch [--interval S]]
                                 one queue: items per epoch and state, live workers, throughput, ETA
     wq-sql audit NAME [--format table|csv|json]
@@ -324,7 +332,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     cut = _Cut()
     for q in queues:
-        finished = q["done"] + q["failed"]
+        finished = q["done"] + q["failed"] + q["quarantined"]
         pct = 100.0 * finished / q["total"] if q["total"] else 100.0
         rows.append([q["name"], q["items_per_epoch"], f"{q['epochs_created']}/{q['num_epochs']}",
                      "yes" if q["shuffle"] else "no", q["seed"], q["num_slices"], cut(q["prefix"]),
@@ -507,6 +515,39 @@ def cmd_mix(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    url = _url(args)
+    if args.work is None and args.where is None:
+        if args.reason is not None:
+            raise CliError("--reason goes with --work PATTERN or --where PREDICATE (the works to quarantine)")
+        held = admin.quarantined(args.name, url, args.schema)
+        if not held:
+            print(f"queue {args.name!r}: no work in quarantine")
+            return 0
+        print(f"queue {args.name!r}: {len(held)} work(s) in quarantine")
+        cut = _Cut()
+        print("\n".join(_table(["WORK", "ITEMS", "SINCE", "BY", "REASON"],
+                               [[cut(h.work), h.items, f"{h.at:%Y-%m-%d %H:%M:%S}", cut(h.by), cut(h.reason)]
+                                for h in held], [False, True, False, False, False])))
+        return 0
+    if args.reason is None:
+        raise CliError("say why with --reason TEXT, e.g. --reason 'corrupt records (CRC errors)'")
+    out = admin.quarantine(args.name, work=args.work, where=args.where, reason=args.reason, url=url,
+                           schema=args.schema)
+    again = f" ({out.already} of them already were)" if out.already else ""
+    print(f"queue {args.name!r}: {out.works} work(s) in quarantine{again}; {out.items} item(s) held back, "
+          f"{out.in_flight} of them taken back from workers; "
+          f"wq-sql unquarantine {shlex.quote(args.name)} --all gives them back")
+    return 0
+
+
+def cmd_unquarantine(args: argparse.Namespace) -> int:
+    works, n = admin.unquarantine(args.name, work=args.work, where=args.where, all=args.all, url=_url(args),
+                                  schema=args.schema)
+    print(f"queue {args.name!r}: {works} work(s) out of quarantine; {n} item(s) pending again")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if not math.isfinite(args.interval) or args.interval <= 0:
         raise CliError(f"--interval must be a positive number of seconds, got {args.interval}")
@@ -525,7 +566,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class StatusSummary:
-    finished: int  # done + failed
+    finished: int  # done + failed + quarantined
     total: int
     recent: int  # items done in the last minute
     rate: Optional[float]  # items done per second, recently (None: fewer than two recent)
@@ -597,42 +638,52 @@ def _status(conn: Connection, b: Dialect, url: URL, schema: Optional[str],
     out.append("")
 
     rows: list[list[object]] = []
-    totals = [0, 0, 0, 0]
+    totals = [0, 0, 0, 0, 0]  # pending, claimed, done, failed, quarantined
+    held_back = st.quarantined
     epochs = list(range(q.epochs_created))
     finished_prefix = 0
     if len(epochs) > MAX_EPOCH_ROWS:
         # Collapse the leading finished epochs of a long job into one row.
         while (finished_prefix < len(epochs) - MAX_EPOCH_ROWS // 2
-               and sum(per_epoch.get(finished_prefix, (0, 0))) >= n
+               and sum(per_epoch.get(finished_prefix, (0, 0))) + held_back.get(finished_prefix, 0) >= n
                and not claimed.get(finished_prefix)):
             finished_prefix += 1
         if finished_prefix > 1:
             d = sum(per_epoch.get(e, (0, 0))[0] for e in range(finished_prefix))
             f = sum(per_epoch.get(e, (0, 0))[1] for e in range(finished_prefix))
-            rows.append([f"0-{finished_prefix - 1}", 0, 0, d, f])
+            k = sum(held_back.get(e, 0) for e in range(finished_prefix))
+            rows.append([f"0-{finished_prefix - 1}", 0, 0, d, f, k])
             totals[2] += d
             totals[3] += f
+            totals[4] += k
             epochs = epochs[finished_prefix:]
     for e in epochs:
         d, f = per_epoch.get(e, (0, 0))
         c = claimed.get(e, 0)
-        p = n - d - f - c
-        rows.append([e, p, c, d, f])
-        for k, v in enumerate((p, c, d, f)):
-            totals[k] += v
+        k = held_back.get(e, 0)
+        p = n - d - f - c - k
+        rows.append([e, p, c, d, f, k])
+        for j, v in enumerate((p, c, d, f, k)):
+            totals[j] += v
     later = q.num_epochs - q.epochs_created
     if later > 0:
         label = str(q.epochs_created) if later == 1 else f"{q.epochs_created}-{q.num_epochs - 1}"
-        rows.append([f"{label} (not created yet)", n * later, 0, 0, 0])
+        rows.append([f"{label} (not created yet)", n * later, 0, 0, 0, 0])
         totals[0] += n * later
     rows.append(["total", *totals])
-    out += _table(["EPOCH", "PENDING", "CLAIMED", "DONE", "FAILED"], rows, [False, True, True, True, True])
+    heads = ["EPOCH", "PENDING", "CLAIMED", "DONE", "FAILED", "QUARANTINED"]
+    if not totals[4]:  # the column only for a queue with works in quarantine
+        heads, rows = heads[:-1], [r[:-1] for r in rows]
+    out += _table(heads, rows, [False] + [True] * (len(heads) - 1))
     total = n * q.num_epochs
-    pct = 100.0 * (totals[2] + totals[3]) / total if total else 100.0
-    state = "finished" if totals[2] + totals[3] >= total else "in progress"
-    out.append(f"{state}: {totals[2] + totals[3]} of {total} items done or failed ({pct:.1f}%)")
+    ended = totals[2] + totals[3] + totals[4]
+    pct = 100.0 * ended / total if total else 100.0
+    state = "finished" if ended >= total else "in progress"
+    out.append(f"{state}: {ended} of {total} items done or failed"
+               + (f" or in quarantine (wq-sql quarantine {shlex.quote(q.name)} lists the works)"
+                  if totals[4] else "") + f" ({pct:.1f}%)")
     recent = st.recent
-    summary = StatusSummary(totals[2] + totals[3], total, recent.done, recent.rate)
+    summary = StatusSummary(ended, total, recent.done, recent.rate)
     if not summary.complete:
         out.append(f"throughput: {_rate_eta(summary)}")
     out.append("")
@@ -893,7 +944,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
     url = _url(args)
     def read(conn: Connection) -> tuple[Any, int, int, int]:
         q = _find_queue(conn, url, args.name)
-        done, failed = statements.progress(conn, q.id)
+        done, failed, _ = statements.progress(conn, q.id)
         live = statements.live_workers(conn, q.id)
         return q, done, failed, live
 
@@ -985,6 +1036,23 @@ def _parser() -> argparse.ArgumentParser:
     mx.add_argument("--set", metavar="WEIGHTS",
                     help="new weights, every source named once: e.g. web=0.5,code=0.4,math=0.1 (they need "
                          "not sum to 1; 0 leaves a source out)")
+    qu = add("quarantine", cmd_quarantine, "hold works back from every worker of a running queue (its "
+             "items in flight are taken back) until unquarantined; without --work/--where, list them")
+    qu.add_argument("name", metavar="NAME")
+    named = qu.add_mutually_exclusive_group()
+    named.add_argument("--work", metavar="PATTERN",
+                       help="a work as stored, or a shell-style pattern over works: 'data/shard-00[3-5]*'")
+    named.add_argument("--where", metavar="PREDICATE",
+                       help="a plain SQL predicate over work, source, epoch, seq, state, attempts, worker, "
+                            "last_error: \"state = 'failed' AND last_error LIKE '%%CRC%%'\"")
+    qu.add_argument("--reason", metavar="TEXT", help="why (recorded with who and when)")
+    uq = add("unquarantine", cmd_unquarantine, "give quarantined works back: their items are pending "
+             "again, attempts from 0")
+    uq.add_argument("name", metavar="NAME")
+    back = uq.add_mutually_exclusive_group(required=True)
+    back.add_argument("--work", metavar="PATTERN", help="as for quarantine")
+    back.add_argument("--where", metavar="PREDICATE", help="as for quarantine")
+    back.add_argument("--all", action="store_true", help="every work in quarantine")
     st = add("status", cmd_status, "items per epoch and state, and the live workers of a queue")
     st.add_argument("name", metavar="NAME")
     st.add_argument("--watch", action="store_true", help="redraw with a progress bar until the queue is done")

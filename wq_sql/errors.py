@@ -11,11 +11,14 @@ class WqSqlError(Exception):
 
 
 class QueueExhausted(WqSqlError):
-    """Every item of every epoch is done or failed; ``failed`` counts the failed ones."""
+    """Every item of every epoch is done, failed or quarantined; ``failed`` counts the failed
+    ones, ``quarantined`` those whose work is in quarantine."""
 
-    def __init__(self, queue: str, done: int, failed: int) -> None:
-        self.queue, self.done, self.failed = queue, done, failed
+    def __init__(self, queue: str, done: int, failed: int, quarantined: int = 0) -> None:
+        self.queue, self.done, self.failed, self.quarantined = queue, done, failed, quarantined
         msg = f"queue {queue!r} is exhausted: {done} items done, {failed} failed"
+        if quarantined:
+            msg += f", {quarantined} quarantined"
         if failed:
             msg += " (see SELECT * FROM wq_audit WHERE state='failed')"
         super().__init__(msg)

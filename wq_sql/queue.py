@@ -59,10 +59,11 @@ class Progress:
     epochs_created: int
     num_epochs: int
     items_per_epoch: int
+    quarantined: int = 0  # items of works in quarantine: finished, never delivered again
 
     @property
     def remaining(self) -> int:
-        return self.total - self.done - self.failed
+        return self.total - self.done - self.failed - self.quarantined
 
 
 def _engine_options(schema: Optional[str], busy_timeout: float) -> dict[str, Any]:
@@ -408,6 +409,18 @@ class WorkQueue:
         self._ensure_process()
         self._outcomes.fail(item, str(error)[:10_000])
 
+    def quarantine(self, item: str, reason: object) -> int:
+        """Put the work of the handed-out ``item`` in quarantine for every worker (a corrupt
+        shard, say): no claim, requeue, reset, restore or later epoch delivers it again until
+        ``wq-sql unquarantine``; other workers' buffered copies are dropped at their next claim
+        round. ``item`` leaves this object (do not complete it). ``reason`` is recorded, with
+        this worker as who. Returns how many item rows were taken out of circulation."""
+        self._ensure_process()
+        text = str(reason).strip()
+        if not text:
+            raise InvalidInput("quarantine() needs a reason, e.g. wq.quarantine(item, 'CRC errors')")
+        return self._outcomes.quarantine(item, text[:10_000], f"worker {self.worker}").items
+
     # ------------------------------------------------------------------ checkpoint-consistent consumption
 
     def cover(self, items: Sequence[WorkItem], step: int, ambiguous: int = 0) -> list[WorkItem]:
@@ -524,12 +537,12 @@ class WorkQueue:
         pending acknowledgements (items finished here count)."""
         self._d.send_acks()
 
-        def read(c: Connection) -> tuple[tuple[int, int], int]:
+        def read(c: Connection) -> tuple[tuple[int, int, int], int]:
             return statements.progress(c, self._qid), statements.epochs_created(c, self._qid)
 
-        (done, failed), created = self._db.tx(read, read=True)
+        (done, failed, quarantined), created = self._db.tx(read, read=True)
         e = self._extent
-        return Progress(e.total, done, failed, created, e.num_epochs, e.items_per_epoch)
+        return Progress(e.total, done, failed, created, e.num_epochs, e.items_per_epoch, quarantined)
 
     def first_open_epoch(self) -> Optional[int]:
         """The lowest epoch with items not yet done or failed (None once every epoch is), from the

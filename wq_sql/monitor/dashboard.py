@@ -132,7 +132,8 @@ def _queue_json(v: snapshot.QueueView, fails: list[snapshot.Failure], window: fl
         left = e.pending + e.claimed
         left_before += left
         epochs.append({"epoch": e.epoch, "pending": e.pending, "claimed": e.claimed, "done": e.done,
-                       "failed": e.failed, "total": v.n_works, "finished": e.done + e.failed,
+                       "failed": e.failed, "quarantined": e.quarantined, "total": v.n_works,
+                       "finished": e.done + e.failed + e.quarantined,
                        "eta_seconds": (left_before / rate if rate else None) if left else 0.0})
     return {
         "name": v.name, "items_per_epoch": v.n_works, "num_epochs": v.num_epochs,

@@ -125,7 +125,7 @@ class QueueCollector(Collector):
             for e in v.epochs:
                 labels = [v.name, str(e.epoch)]
                 for state, n in (("pending", e.pending), ("claimed", e.claimed), ("done", e.done),
-                                 ("failed", e.failed)):
+                                 ("failed", e.failed), ("quarantined", e.quarantined)):
                     items.add_metric(labels + [state], n)
                 c = v.history.get(e.epoch, Counter())
                 deliv.add_metric(labels, snapshot.deliveries(c, e.claimed))

@@ -37,6 +37,7 @@ from wq_sql.states import (
     EV_RELEASE,
     EV_REQUEUE,
     FAILED,
+    QUARANTINED,
 )
 from wq_sql.store import statements
 from wq_sql.store.dialects import Dialect
@@ -240,18 +241,21 @@ def _exactly_once(conn: Connection, q: Any, a: Audit) -> None:
     for r in conn.execute(select(i.c.epoch, i.c.state, func.count().label("n"))
                           .where(i.c.queue_id == qid).group_by(i.c.epoch, i.c.state)):
         rows_by_epoch.setdefault(r.epoch, {})[r.state] = int(r.n)
-    tallied = {r.epoch: (int(r.d), int(r.f)) for r in conn.execute(
-        select(t.c.epoch, func.sum(t.c.n_done).label("d"), func.sum(t.c.n_failed).label("f"))
+    tallied = {r.epoch: (int(r.d), int(r.f), int(r.k)) for r in conn.execute(
+        select(t.c.epoch, func.sum(t.c.n_done).label("d"), func.sum(t.c.n_failed).label("f"),
+               func.sum(t.c.n_quarantined).label("k"))
         .where(t.c.queue_id == qid).group_by(t.c.epoch))}
     for epoch in range(q.epochs_created):
         states = rows_by_epoch.get(epoch, {})
         if sum(states.values()) < q.n_works:
             a.unchecked_epochs.append(epoch)  # compacted: its done rows were deleted
             continue
-        d, f = tallied.get(epoch, (0, 0))
-        if (d, f) != (states.get(DONE, 0), states.get(FAILED, 0)):
+        d, f, k = tallied.get(epoch, (0, 0, 0))
+        if (d, f, k) != (states.get(DONE, 0), states.get(FAILED, 0), states.get(QUARANTINED, 0)):
             a.counter_mismatches.append({"epoch": epoch, "counted_done": d, "rows_done": states.get(DONE, 0),
-                                         "counted_failed": f, "rows_failed": states.get(FAILED, 0)})
+                                         "counted_failed": f, "rows_failed": states.get(FAILED, 0),
+                                         "counted_quarantined": k,
+                                         "rows_quarantined": states.get(QUARANTINED, 0)})
 
 
 def history_line(events: Sequence[dict[str, Any]]) -> str:
@@ -276,6 +280,7 @@ class Status:
     claimed rows), the worker rows, the database clock, and the last minute's completions."""
 
     per_epoch: dict[int, tuple[int, int]]
+    quarantined: dict[int, int]  # items in quarantine per epoch (none: no key)
     claimed: dict[int, int]
     holding: dict[Optional[int], int]
     by_worker: dict[Optional[int], tuple[int, int]]
@@ -286,9 +291,15 @@ class Status:
 
 def status(conn: Connection, d: Dialect, qid: int, window: float = RATE_WINDOW_SECONDS) -> Status:
     t, i, w = statements.tallies, statements.items, statements.workers
-    per_epoch = {r.epoch: (int(r.done), int(r.failed)) for r in conn.execute(
-        select(t.c.epoch, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"))
-        .where(t.c.queue_id == qid).group_by(t.c.epoch))}
+    per_epoch: dict[int, tuple[int, int]] = {}
+    quarantined: dict[int, int] = {}
+    for r in conn.execute(
+            select(t.c.epoch, func.sum(t.c.n_done).label("done"), func.sum(t.c.n_failed).label("failed"),
+                   func.sum(t.c.n_quarantined).label("quarantined"))
+            .where(t.c.queue_id == qid).group_by(t.c.epoch)):
+        per_epoch[r.epoch] = (int(r.done), int(r.failed))
+        if r.quarantined:
+            quarantined[r.epoch] = int(r.quarantined)
     claimed: dict[int, int] = {}
     holding: dict[Optional[int], int] = {}
     # Grouped by worker first: so SQLite's planner reads the partial index of claimed rows
@@ -303,7 +314,8 @@ def status(conn: Connection, d: Dialect, qid: int, window: float = RATE_WINDOW_S
         .where(t.c.queue_id == qid).group_by(t.c.worker_id))}
     workers = list(conn.execute(select(w).where(w.c.queue_id == qid).order_by(w.c.name)).all())
     now = d.db_now(conn)
-    return Status(per_epoch, claimed, holding, by_worker, workers, now, recent_done(conn, qid, now, window))
+    return Status(per_epoch, quarantined, claimed, holding, by_worker, workers, now,
+                  recent_done(conn, qid, now, window))
 
 
 @dataclass(frozen=True)

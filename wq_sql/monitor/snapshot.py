@@ -70,10 +70,11 @@ class EpochView:
     claimed: int
     done: int
     failed: int
+    quarantined: int = 0  # held back (wq-sql quarantine): counted as finished
 
     @property
     def total(self) -> int:
-        return self.pending + self.claimed + self.done + self.failed
+        return self.pending + self.claimed + self.done + self.failed + self.quarantined
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class QueueView:
 
     @property
     def finished(self) -> int:
-        return sum(e.done + e.failed for e in self.epochs)
+        return sum(e.done + e.failed + e.quarantined for e in self.epochs)
 
     @property
     def eta_seconds(self) -> Optional[float]:
@@ -146,7 +147,8 @@ def epochs_of(conn: Connection, q: Any, st: report.Status) -> list[EpochView]:
             break
         d, f = st.per_epoch.get(e, (0, 0))
         c = st.claimed.get(e, 0)
-        out.append(EpochView(e, max(rows - d - f - c, 0), c, d, f))
+        k = st.quarantined.get(e, 0)
+        out.append(EpochView(e, max(rows - d - f - c - k, 0), c, d, f, k))
     return out
 
 

@@ -23,6 +23,7 @@ from wq_sql.errors import QueueNotFound
 from wq_sql.mixing import Draws, Source, Streams, draw
 from wq_sql.plan import check_weights
 from wq_sql.states import DONE, PENDING
+from wq_sql.store import quarantine
 from wq_sql.store.dialects import dialect_of
 from wq_sql.store.models import Item, MixChange, Queue, SourceRow
 
@@ -128,6 +129,7 @@ def set_mix(conn: Connection, qid: int, given: Mapping[str, Any], by: str, shuff
         conn.execute(update(sources_t).where(sources_t.c.queue_id == qid, sources_t.c.idx == s.idx)
                      .values(weight=w))
     _move_streams(conn, qid, sources, cursor, taken)
+    quarantine.sweep(conn, qid, ids=sorted(redrawn_ids))  # a redrawn row may now hold one
     first = tails[0] if tails else None
     epoch = first[0] if first else conn.execute(
         select(queues.c.epochs_created).where(queues.c.id == qid)).scalar_one()

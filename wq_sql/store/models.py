@@ -112,6 +112,9 @@ class Queue(Base):
     # Epochs 0 .. epochs_created-1 have item rows; the next is made on demand, exactly once.
     epochs_created: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, server_default=text("CURRENT_TIMESTAMP"))
+    # Bumped by every quarantine: a worker whose claim round sees it change drops from its
+    # buffer the items it no longer holds.
+    revoked: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class Work(Base):
@@ -186,7 +189,7 @@ class Item(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     seq: Mapped[int] = mapped_column(Integer)
     work_idx: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(10), server_default=PENDING)
+    state: Mapped[str] = mapped_column(String(16), server_default=PENDING)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     worker_id: Mapped[Optional[int]] = mapped_column(Integer)
     token: Mapped[Optional[int]] = mapped_column(BigInteger)
@@ -240,6 +243,19 @@ class MixChange(Base):
     redrawn: Mapped[int] = mapped_column(BigInteger)
 
 
+class QuarantineRow(Base):
+    """One work in quarantine (``wq-sql quarantine``): no claim, requeue, restore or later epoch
+    delivers its items until it is taken out (``wq-sql unquarantine``)."""
+
+    __tablename__ = "wq_quarantine"
+
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
+    work_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    by: Mapped[str] = mapped_column(String(300))
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
+
+
 class Tally(Base):
     """Counters per (queue, epoch, worker): each worker only writes its own rows, so acks never
     contend on a shared counter; progress is a sum over a handful of rows, never a scan of items."""
@@ -251,6 +267,8 @@ class Tally(Base):
     worker_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     n_done: Mapped[int] = mapped_column(BigInteger, server_default="0")
     n_failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Items in quarantine, counted on the epoch's row of worker id 0 (``QUARANTINE_TALLY``).
+    n_quarantined: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class Event(Base):

@@ -67,7 +67,7 @@ from wq_sql.states import (
     FAILED,
     PENDING,
 )
-from wq_sql.store import mixing
+from wq_sql.store import mixing, quarantine
 from wq_sql.store.dialects import SQLITE_NOW, Dialect, dialect_of, qualifier
 from wq_sql.store.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
 
@@ -263,6 +263,7 @@ def advance_epoch(conn: Connection, qid: int, have: int, *, chunk: Optional[int]
     srcs = mixing.load_sources(conn, qid)
     if srcs:  # a weighted epoch is drawn from the sources' state: all in this transaction
         mixing.make_epoch(conn, qid, have, row.n_works, row.shuffle, row.seed, srcs)
+        quarantine.sweep(conn, qid, epoch=have)
         conn.execute(update(queues).where(queues.c.id == qid, queues.c.epochs_created == have)
                      .values(epochs_created=have + 1))
         return have + 1
@@ -272,6 +273,7 @@ def advance_epoch(conn: Connection, qid: int, have: int, *, chunk: Optional[int]
         order = epoch_order(row.n_works, have, row.shuffle, row.seed)
     if end > start:
         insert_epoch_rows(conn, qid, have, order, start, end)
+        quarantine.sweep(conn, qid, epoch=have, seq_from=start)
     if end < row.n_works:
         return have
     conn.execute(update(queues).where(queues.c.id == qid, queues.c.epochs_created == have)
@@ -610,12 +612,14 @@ def reset_queue(conn: Connection, qid: int, n_works: int, shuffle: bool, seed: i
         mixing.make_epoch(conn, qid, 0, n_works, shuffle, seed, srcs)
     else:
         insert_epoch(conn, qid, n_works, 0, shuffle, seed)
+    quarantine.sweep(conn, qid, epoch=0)  # the works in quarantine stay in it
 
 
 def drop_queue(conn: Connection, qid: int) -> None:
     """Delete a queue and everything it holds. Children first: SQLite only cascades with
     ``foreign_keys=ON``, which other tools may not set."""
-    for table in (items, events, tallies, workers, works_t, checkpoints, mixing.sources_t, mixing.mixes):
+    for table in (items, events, tallies, workers, works_t, checkpoints, mixing.sources_t, mixing.mixes,
+                  quarantine.quarantine_t):
         conn.execute(delete(table).where(table.c.queue_id == qid))
     conn.execute(delete(queues).where(queues.c.id == qid))
 
@@ -664,23 +668,24 @@ def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_second
 # ---------------------------------------------------------------- progress
 
 
-def progress(conn: Connection, qid: int) -> tuple[int, int]:
-    """(done, failed) over all epochs, from the counters."""
+def progress(conn: Connection, qid: int) -> tuple[int, int, int]:
+    """(done, failed, quarantined) over all epochs, from the counters."""
     row = conn.exec_driver_sql(_text(conn, _progress_sql), {"q": qid}).one()
-    return int(row[0]), int(row[1])
+    return int(row[0]), int(row[1]), int(row[2])
 
 
 def ended_per_epoch(conn: Connection, qid: int) -> dict[int, int]:
-    """Items done or failed, per epoch, from the counters."""
-    rows = conn.execute(select(tallies.c.epoch, func.sum(tallies.c.n_done + tallies.c.n_failed))
+    """Items done, failed or quarantined, per epoch, from the counters."""
+    rows = conn.execute(select(tallies.c.epoch, func.sum(tallies.c.n_done + tallies.c.n_failed
+                                                         + tallies.c.n_quarantined))
                         .where(tallies.c.queue_id == qid).group_by(tallies.c.epoch)).all()
     return {int(e): int(n or 0) for e, n in rows}
 
 
 def _progress_sql(sqlite: bool, p: str) -> str:
     q = _binder(sqlite)("q")
-    return (f"SELECT coalesce(sum(n_done), 0), coalesce(sum(n_failed), 0) FROM {p}wq_tallies "
-            f"WHERE queue_id = {q}")
+    return (f"SELECT coalesce(sum(n_done), 0), coalesce(sum(n_failed), 0), coalesce(sum(n_quarantined), 0) "
+            f"FROM {p}wq_tallies WHERE queue_id = {q}")
 
 
 # What every worker process runs once (registering, the end of its take()s: the poll, the
@@ -728,10 +733,11 @@ def epochs_created(conn: Connection, qid: int) -> int:
 
 
 def finished_epochs(conn: Connection, qid: int, n_works: int) -> list[int]:
-    """Epochs whose every item is done or failed, by the counters."""
+    """Epochs whose every item is done, failed or quarantined, by the counters."""
     rows = conn.execute(select(tallies.c.epoch).where(tallies.c.queue_id == qid)
                         .group_by(tallies.c.epoch)
-                        .having(func.sum(tallies.c.n_done + tallies.c.n_failed) >= n_works))
+                        .having(func.sum(tallies.c.n_done + tallies.c.n_failed + tallies.c.n_quarantined)
+                                >= n_works))
     return sorted(r.epoch for r in rows)
 
 
@@ -828,6 +834,7 @@ def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: O
            else "model restored without a checkpoint")
     _log(conn, b, qid, EV_REQUEUE, rows, worker_id, why, delivery=False)
     _untally(conn, qid, rows, "n_done")
+    quarantine.sweep(conn, qid, ids=[r.id for r in rows])
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_RESTORE, step=step,
                                             items=len(rows), ambiguous=0, at=b.now()))
     return len(rows)
@@ -913,6 +920,7 @@ def requeue(conn: Connection, b: Dialect, qid: int, from_state: str, *, epoch: O
          delivery=from_state == CLAIMED)
     if from_state in (DONE, FAILED):
         _untally(conn, qid, rows, "n_done" if from_state == DONE else "n_failed")
+    quarantine.sweep(conn, qid, ids=[r.id for r in rows])  # a quarantined work's rows stay out
     return list(rows)
 
 

@@ -282,7 +282,7 @@ class WorkQueue:
             return self.queue.take_many(n, timeout=0, claim=claim)
         except QueueEmpty:
             p = self.queue.progress()
-            raise QueueExhausted(self.name, p.done, p.failed) from None
+            raise QueueExhausted(self.name, p.done, p.failed, p.quarantined) from None
 
     def _take_bytes(self) -> bytes:
         """For ``tf.numpy_function``: ``StopIteration`` is how it raises OutOfRangeError."""

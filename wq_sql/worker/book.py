@@ -149,6 +149,16 @@ class Book:
         """A recent hand-out, by itself or by its string (among the last ``RECENT``)."""
         return item if isinstance(item, WorkItem) else self._recent.get(item)
 
+    def drop_buffered(self, keys: set[tuple[int, int]]) -> list[WorkItem]:
+        """Take the buffered items of ``keys`` (``(id, token)``) off the buffer (taken back by
+        the database); returns them."""
+        if not keys:
+            return []
+        gone = [i for i in self.buffer if i.key in keys]
+        if gone:
+            self.buffer = deque(i for i in self.buffer if i.key not in keys)
+        return gone
+
     def drop(self, item: WorkItem) -> None:
         self.out.pop(item.item_id, None)
         self.acks.pop(item.item_id, None)

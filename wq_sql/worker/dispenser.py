@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from wq_sql.errors import QueueEmpty, QueueExhausted, WorkerConflict, WqSqlError
-from wq_sql.store import notify, statements
+from wq_sql.store import notify, quarantine, statements
 from wq_sql.store.db import Db
 from wq_sql.store.hot import Carry, HotPath, Peek
 from wq_sql.worker.book import Book, WorkItem
@@ -125,6 +125,7 @@ class Dispenser:
         self.beat_carry: Callable[[Optional[float], Callable[[], tuple[set[int], int]]],
                                   Optional[Carry]] = lambda gap, held: None
         self._round_at = 0.0
+        self._revoked: Optional[int] = None  # the queue's revoked counter, as last seen
         self._round_gap: Optional[float] = None
 
     def check_usable(self) -> None:
@@ -285,7 +286,7 @@ class Dispenser:
             if peek.finished >= self.extent.total and peek.num_epochs == self.extent.num_epochs:
                 # The end, as _fill() would find it, without its claim round and read: at the end
                 # of a drain every waiting worker gets here at once.
-                raise QueueExhausted(self.rules.name, peek.finished - peek.failed, peek.failed)
+                raise QueueExhausted(self.rules.name, peek.done, peek.failed, peek.quarantined)
             if (peek.pending or peek.expired or peek.finished >= self.extent.total
                     or peek.epochs_created != self.epochs.created):
                 return
@@ -360,8 +361,8 @@ class Dispenser:
         """After a read that found the queue finished: wake the waiting takes with the news
         (the counts they would read), so that they end without a poll (:meth:`heard`).
         ``notified``: the read rang already (:meth:`_look_end`)."""
-        notify.ring(self.db.engine, self.qid, f"{END} {peek.finished} {peek.failed} {peek.num_epochs}",
-                  notified=notified)
+        news = f"{END} {peek.finished} {peek.failed} {peek.num_epochs} {peek.quarantined}"
+        notify.ring(self.db.engine, self.qid, news, notified=notified)
 
     def _look_end(self, ring: bool) -> tuple[Peek, bool]:
         """The read after a claim round that found nothing, or after acknowledgements that may
@@ -497,6 +498,11 @@ class Dispenser:
         accepted, got = self.hot.round(self.member.worker_id, keys, limit, carry)
         if limit:
             self.drained = len(got) < limit
+            revoked = self.hot.revoked
+            if revoked is not None and revoked != self._revoked:
+                seen, self._revoked = self._revoked, revoked
+                if seen is not None:
+                    self._drop_revoked()
         if got:
             now, per_epoch = time.monotonic(), self.extent.items_per_epoch
             # Positions in claim order (got is in hand-out order, (epoch, seq)): first and last.
@@ -551,11 +557,28 @@ class Dispenser:
             if not self._rang_end:  # this worker's acknowledgements may have been the last ones
                 self._rang_end = True
                 self.ring_end(peek, rang)
-            raise QueueExhausted(rules.name, peek.finished - peek.failed, peek.failed)
+            raise QueueExhausted(rules.name, peek.done, peek.failed, peek.quarantined)
         if peek.expired and db.may_expire and db.expire_tx(
                 lambda c: statements.expire(c, db.dialect, qid, rules.max_attempts), default=0):
             self.ring()  # more came back than this round may claim
             return self._fill(limit)
+
+    def _drop_revoked(self) -> None:
+        """A quarantine took items back from their holders since the last round: drop from the
+        buffer those this worker no longer holds (one read). Items already handed out stay with
+        the consumer; their acknowledgement is rejected as for a take-over."""
+        with self.lock:
+            keys = [(i.item_id, i.token) for i in self.book.buffer]
+        if not keys:
+            return
+        wid = self.member.worker_id
+        held = self.db.tx(lambda c: quarantine.still_held(c, self.qid, wid, keys), read=True)
+        with self.lock:
+            dropped = self.book.drop_buffered({k for k in keys if k[0] not in held})
+        if dropped:
+            log.warning("%d buffered item(s) of queue %r were taken back (their work was quarantined) and "
+                        "are not handed out: %s", len(dropped), self.rules.name,
+                        ", ".join(f"(epoch {i.epoch}, seq {i.seq})" for i in dropped))
 
     def room(self) -> int:
         """Places a refill may claim into: the round's size less what is claimed and not reached
@@ -679,18 +702,18 @@ class Dispenser:
         self.changed = threading.Condition(self.lock)
 
 
-END = "end"  # a ring's news: the queue is finished; then finished, failed and num_epochs as read
+END = "end"  # a ring's news: the queue is finished; then finished, failed, num_epochs, quarantined
 
 
 def _end_news(news: str) -> Optional[Peek]:
     """What a ring that said the queue is finished read (:meth:`Dispenser.ring_end`), as the
     waiting take's poll would have: None for any other news (or none)."""
     parts = news.split()
-    if len(parts) != 4 or parts[0] != END or not all(p.isdigit() for p in parts[1:]):
+    if len(parts) != 5 or parts[0] != END or not all(p.isdigit() for p in parts[1:]):
         return None
-    finished, failed, num_epochs = (int(p) for p in parts[1:])
+    finished, failed, num_epochs, quarantined = (int(p) for p in parts[1:])
     return Peek(pending=False, expired=False, finished=finished, epochs_created=num_epochs, mine=0,
-                failed=failed, num_epochs=num_epochs)
+                failed=failed, num_epochs=num_epochs, quarantined=quarantined)
 
 
 def _late(deadline: Optional[float], stop: Optional[Callable[[], bool]], now: Optional[float] = None) -> bool:

@@ -35,14 +35,15 @@ def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
     :class:`QueueConfigMismatch` if the stored queue differs from ``spec``. Joining is one read
     transaction: the row, the check, the counters, the sources. A creator ``by`` is recorded as
     the first mix of a weighted queue."""
-    def look(c: Connection) -> tuple[Optional[statements.QueueRow], list[str], tuple[int, int], list[Source]]:
+    def look(c: Connection) -> tuple[Optional[statements.QueueRow], list[str], tuple[int, int, int],
+                                     list[Source]]:
         row = statements.queue_row(c, name)
         if row is None:
-            return None, [], (0, 0), []
+            return None, [], (0, 0, 0), []
         return (row, differences(c, row, spec, max_attempts), statements.progress(c, row.id),
                 mixing_store.load_sources(c, row.id))
 
-    row, diffs, (done, failed), sources = db.tx(look, read=True)
+    row, diffs, (done, failed, quarantined), sources = db.tx(look, read=True)
     if row is None and spec is None:
         raise QueueNotFound(f"no queue named {name!r} in {safe_url(db.url)}; create it "
                             "with WorkQueue(works, name=...) first")
@@ -64,13 +65,14 @@ def open_queue(db: Db, name: str, spec: Optional[QueueSpec],
         if qid is not None:
             log.info("created queue %r: %d items per epoch, %d epochs", name, row.n_works, row.num_epochs)
         else:  # another worker created it meanwhile: check against what it stored
-            diffs, (done, failed) = db.tx(lambda c: (differences(c, created, spec, max_attempts),
+            diffs, (done, failed, quarantined) = db.tx(lambda c: (differences(c, created, spec, max_attempts),
                                                      statements.progress(c, created.id)), read=True)
     if diffs:
         raise QueueConfigMismatch(name, diffs, extend_to(row, spec))
-    if done + failed >= row.n_works * row.num_epochs:
-        log.warning("queue %r is already finished (%d done, %d failed): take() will raise "
-                    "QueueExhausted. Use another name, or reset it to start over.", name, done, failed)
+    if done + failed + quarantined >= row.n_works * row.num_epochs:
+        log.warning("queue %r is already finished (%d done, %d failed, %d quarantined): take() will raise "
+                    "QueueExhausted. Use another name, or reset it to start over.", name, done, failed,
+                    quarantined)
     if sources and spec is not None and any(abs(s.weight - w) > 1e-9 for s, w in zip(sources, spec.weights)):
         log.info("queue %r: the weights in force (%s) stay; the weights given are not applied "
                  "(change them with wq-sql mix or wq_sql.set_mix)", name,

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Union
 from sqlalchemy import Connection
 
 from wq_sql.errors import LeaseLost
+from wq_sql.store import quarantine as quarantine_store
 from wq_sql.store import statements
 from wq_sql.store.db import Db
 from wq_sql.store.hot import HotPath
@@ -60,6 +61,17 @@ class Outcomes:
             d.after_acks()
         else:
             d.made_claimable()  # back in the queue (a failure with attempts left too)
+
+    def quarantine(self, item: str, reason: str, by: str) -> quarantine_store.QuarantineOutcome:
+        """Put the work of the handed-out ``item`` in quarantine; the item leaves the book."""
+        db, d = self.db, self.d
+        with d.lock:
+            d.check_usable()
+            held = d.book.find(item)
+            out = db.tx(lambda c: quarantine_store.quarantine_item(c, self.qid, held.item_id, reason, by))
+            d.book.drop(held)
+        d.after_acks(always=True)  # its items count as finished: the queue may have ended
+        return out
 
     def cover(self, items: Sequence[WorkItem], step: int, ambiguous: int) -> list[WorkItem]:
         """Mark ``items`` done, stamped with the checkpoint ``step``; the items whose lease was lost."""

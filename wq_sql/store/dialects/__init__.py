@@ -194,12 +194,15 @@ class Dialect:
         rows = func.unnest(*arrays).table_valued(*names, with_ordinality="ord").render_derived()
         return rows, rows.c.ord - 1, [rows.c[n] for n in names]
 
-    def lock_claims(self, conn: Connection, qid: int) -> None:
+    def lock_claims(self, conn: Connection, qid: int, *, shared: bool = False) -> None:
         """Hold back every claim of queue ``qid`` until this transaction ends (a change of its
-        pending rows). Postgres: the queue's claim lock, exclusive (``wq_claim_round()`` takes it
-        shared); SQLite: nothing, the transaction's ``BEGIN IMMEDIATE`` already excludes claims."""
+        pending rows: a mix change, a quarantine). Postgres: the queue's claim lock, exclusive
+        (``wq_claim_round()`` takes it shared); ``shared``: as the claims take it, to wait for
+        such a change instead (the quarantine's sweep). SQLite: nothing, the transaction's
+        ``BEGIN IMMEDIATE`` already excludes every other writer."""
         if not self.is_sqlite:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k, :q)"), {"k": CLAIM_LOCK, "q": qid})
+            how = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+            conn.execute(text(f"SELECT {how}(:k, :q)"), {"k": CLAIM_LOCK, "q": qid})
 
     def lock_for_migration(self, conn: Connection) -> None:
         """Serialise schema upgrades: Postgres takes a transaction-scoped advisory lock; on

@@ -46,6 +46,11 @@ class HotPath:
         return self.db.driver_round(lambda conn, prefix: claim.run(conn, qid, worker_id, acks, limit, prefix,
                                                                    carry))
 
+    @property
+    def revoked(self) -> Optional[int]:
+        """The queue's ``revoked`` counter as the last claiming round read it (None: none yet)."""
+        return self._claim.revoked
+
     def acknowledge(self, by_holder: Sequence[tuple[int, Keys]]) -> set[int]:
         """Acknowledge items in the names of the workers that hold them (``(holder worker id,
         keys)`` pairs), in one write transaction, claiming nothing: the round's statement, several

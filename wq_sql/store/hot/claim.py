@@ -54,6 +54,10 @@ class ClaimRound:
 
     def __init__(self, b: Dialect, n: int, lease_seconds: float, schema: Optional[str] = None) -> None:
         self.b, self.n, self.lease = b, n, float(lease_seconds)
+        # The queue's ``revoked`` counter as the last claiming round read it (None: none yet):
+        # it moves when a quarantine takes items back from their holders (the dispenser then
+        # drops from its buffer what this worker no longer holds).
+        self.revoked: Optional[int] = None
         # Postgres: the lowest (epoch, seq) this worker claimed last round. Claimed and done rows
         # leave dead entries in the pending index until VACUUM, all at its low end (claims go in
         # order), and a scan from the start steps over every one of them: late in a large drain,
@@ -103,6 +107,7 @@ class ClaimRound:
                 # Each claimed row's work string, read by primary key: no SELECT of its own.
                 "(SELECT work FROM wq_works w WHERE w.queue_id = wq_items.queue_id "
                 "AND w.idx = wq_items.work_idx)")
+            self._revoked = "SELECT revoked FROM wq_queues WHERE id = ?"
             return
         # The round is the server-side function wq_claim_round() (claim_round.sql): its
         # statements' plans are cached per server connection, where the same statements as a
@@ -110,6 +115,9 @@ class ClaimRound:
         # Rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked.
         self._sql = (f"SELECT * FROM {p}wq_claim_round(%(q)s, %(w)s, %(t)s, %(lease)s, %(fe)s, "
                      "%(fs)s, %(lim)s, %(ack_ids)s::bigint[], %(ack_tokens)s::bigint[])")
+        # A claiming round's one more row, kind 'r': the queue's revoked counter (by primary key).
+        self._pg_revoked = (f" UNION ALL SELECT 'r', revoked, NULL, NULL, NULL, NULL, NULL FROM {p}wq_queues "
+                            "WHERE id = %(q)s")
 
     def warm(self, conn: Any, prefix: str) -> None:
         """Postgres: plan every statement of ``wq_claim_round()`` on this server connection (a
@@ -152,12 +160,16 @@ class ClaimRound:
             ctes, more = carry.pg()
             sql = f"{ctes}{sql} UNION ALL SELECT 'b', (SELECT count(*) FROM rw), NULL, NULL, NULL, NULL, NULL"
             params.update(more)
+        if n:
+            sql += self._pg_revoked
         with conn.cursor() as cur:
             # rows: (kind, id, epoch, seq, work_idx, attempts, work), kind 'c' claimed, 'a' acked
             cur.execute(prefix + sql, params)
             rows = last_rows(cur)
         if carry is not None:
             carry.alive = any(r[0] == "b" and r[1] for r in rows)
+        if n:
+            self.revoked = next((int(r[1]) for r in rows if r[0] == "r"), self.revoked)
         accepted = {r[1] for r in rows if r[0] == "a"}
         got = [r for r in rows if r[0] == "c"]
         if n:  # a round that only acknowledges (limit 0) says nothing about where claims start
@@ -194,6 +206,11 @@ class ClaimRound:
                 cur.execute(sql, (qid, epoch, worker_id, k))
             sql, params = self._claim, (qid, n, worker_id, token, self._later)
             rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts, work)
+            if n:
+                sql, params = self._revoked, (qid,)
+                got = cur.execute(sql, params).fetchone()
+                if got is not None:
+                    self.revoked = int(got[0])
             if len(done) == 1:
                 r = done[0]
                 sql, params = self._event1, (qid, r[0], r[1], r[2], worker_id, r[3], r[4], r[5], r[6])

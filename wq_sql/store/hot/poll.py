@@ -26,8 +26,8 @@ from wq_sql.store.driver import last_rows
 @dataclass(frozen=True)
 class Peek:
     """One poll of a waiting worker: whether an item is pending, whether a lease has expired, how
-    many items are finished (done or failed) and failed, how many epochs have rows and how many
-    the queue has, how many items this worker holds."""
+    many items are finished (done, failed or quarantined), failed and quarantined, how many
+    epochs have rows and how many the queue has, how many items this worker holds."""
 
     pending: bool
     expired: bool
@@ -36,6 +36,11 @@ class Peek:
     mine: int
     failed: int = 0
     num_epochs: int = 0
+    quarantined: int = 0
+
+    @property
+    def done(self) -> int:
+        return self.finished - self.failed - self.quarantined
 
 
 class Poll:
@@ -65,16 +70,19 @@ class Poll:
             f"WHERE queue_id = {mark} AND state = '{CLAIMED}' AND lease_until < {now}) END AS expired, "
             f"CASE WHEN {fin} THEN 0 ELSE (SELECT count(*) FROM {p}wq_items WHERE queue_id = {mark} "
             f"AND worker_id = {mark} AND state = '{CLAIMED}') END AS mine, "
-            "t.finished, t.failed, q.epochs_created, q.num_epochs "
-            f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed), 0) AS finished, "
-            f"coalesce(sum(n_failed), 0) AS failed FROM {p}wq_tallies WHERE queue_id = {mark}) t "
+            "t.finished, t.failed, q.epochs_created, q.num_epochs, t.quarantined "
+            f"FROM {p}wq_queues q CROSS JOIN (SELECT coalesce(sum(n_done + n_failed + n_quarantined), 0) "
+            "AS finished, coalesce(sum(n_failed), 0) AS failed, "
+            "coalesce(sum(n_quarantined), 0) AS quarantined "
+            f"FROM {p}wq_tallies WHERE queue_id = {mark}) t "
             f"WHERE q.id = {mark}")
         # The read that rings the end (read_ringing), Postgres only. The state as text in the
-        # order of Peek's news: "end finished failed num_epochs" (dispenser.END).
+        # order of Peek's news: "end finished failed num_epochs quarantined" (dispenser.END).
         self._ringing = (
             "SELECT l.pending, l.expired, l.mine, l.finished, l.failed, l.epochs_created, l.num_epochs, "
+            "l.quarantined, "
             "CASE WHEN l.finished >= %s AND l.num_epochs = %s THEN pg_notify(%s, %s::text || 'end ' || "
-            "l.finished || ' ' || l.failed || ' ' || l.num_epochs) END "
+            "l.finished || ' ' || l.failed || ' ' || l.num_epochs || ' ' || l.quarantined) END "
             f"FROM ({self.sql}) l")
 
     def read_ringing(self, conn: Any, prefix: str, qid: int, worker_id: int, total: int, num_epochs: int,
@@ -91,7 +99,7 @@ class Poll:
             rows = last_rows(cur)
         finally:
             cur.close()
-        return self.peek(rows[0][:7] if rows else None, qid)
+        return self.peek(rows[0][:8] if rows else None, qid)
 
     def poll(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
         """What a waiting take polls."""
@@ -114,9 +122,9 @@ class Poll:
         """The statement's row as a :class:`Peek` (None or NULLs: the queue row is gone)."""
         if row is None or row[0] is None:
             raise LookupError(f"queue id {qid} is gone (deleted while this worker waited)")
-        pending, expired, mine, finished, failed, created, num_epochs = row
+        pending, expired, mine, finished, failed, created, num_epochs, quarantined = row
         return Peek(bool(pending), bool(expired), int(finished), int(created), int(mine), int(failed),
-                    int(num_epochs))
+                    int(num_epochs), int(quarantined))
 
     def _run(self, conn: Any, prefix: str, qid: int, worker_id: int) -> Peek:
         cur = conn.cursor()
