@@ -23,8 +23,9 @@ from typing import Any, Optional, cast
 from sqlalchemy import Connection, Table, and_, delete, func, insert, literal, select, update
 
 from wq_sql.states import CLAIMED, EV_QUARANTINE, EV_REQUEUE, FAILED, PENDING, QUARANTINE_TALLY, QUARANTINED
+from wq_sql.store import accounting
 from wq_sql.store.dialects import Dialect, dialect_of
-from wq_sql.store.models import Event, Item, QuarantineRow, Queue, SourceRow, Tally, Work, Worker
+from wq_sql.store.models import Item, QuarantineRow, Queue, SourceRow, Tally, Work, Worker
 from wq_sql.store.predicate import parse
 
 items = cast(Table, Item.__table__)
@@ -33,7 +34,6 @@ works_t = cast(Table, Work.__table__)
 workers = cast(Table, Worker.__table__)
 sources_t = cast(Table, SourceRow.__table__)
 tallies = cast(Table, Tally.__table__)
-events = cast(Table, Event.__table__)
 quarantine_t = cast(Table, QuarantineRow.__table__)
 
 CHUNK = 10_000  # ids per statement
@@ -115,10 +115,10 @@ def _take(conn: Connection, b: Dialect, qid: int, ids: Sequence[int], state: str
                     done_at=b.now())
             .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id, items.c.last_error,
                        items.c.claimed_at, items.c.attempts)).all()
-        _history(conn, b, qid, rows, EV_QUARANTINE, delivery=state == CLAIMED)
+        accounting.history(conn, b, qid, EV_QUARANTINE, rows, delivery=state == CLAIMED,
+                           detail_of=lambda r: r.last_error)
         if state == FAILED:
-            from wq_sql.store.statements import _untally  # a sibling's helper; no cycle at import
-            _untally(conn, qid, rows, "n_failed")
+            accounting.untally(conn, qid, rows, "n_failed")
         _count(conn, b, qid, rows, +1)
         n += len(rows)
     return n
@@ -168,22 +168,11 @@ def unquarantine(conn: Connection, qid: int, idxs: Sequence[int], by: str) -> tu
                                 items.c.state == QUARANTINED)
             .values(state=PENDING, attempts=0, last_error=None, done_at=None, token=None, lease_until=None)
             .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id)).all()
-        _history(conn, b, qid, rows, EV_REQUEUE, delivery=False,
-                 detail=f"taken out of quarantine by {by}"[:300])
+        accounting.history(conn, b, qid, EV_REQUEUE, rows, delivery=False,
+                           detail=f"taken out of quarantine by {by}"[:300])
         _count(conn, b, qid, rows, -1)
         n += len(rows)
     return works, n
-
-
-def _history(conn: Connection, b: Dialect, qid: int, rows: Iterable[Any], kind: str, *, delivery: bool,
-             detail: Optional[str] = None) -> None:
-    batch = [{"queue_id": qid, "item_id": r.id, "epoch": r.epoch, "seq": r.seq, "kind": kind,
-              "worker_id": r.worker_id, "token": None,
-              "detail": detail if detail is not None else getattr(r, "last_error", None),
-              "claimed_at": r.claimed_at if delivery else None,
-              "attempt": r.attempts if delivery else None} for r in rows]
-    for k in range(0, len(batch), CHUNK):
-        conn.execute(insert(events).values(at=b.now()), batch[k:k + CHUNK])
 
 
 def _count(conn: Connection, b: Dialect, qid: int, rows: Iterable[Any], sign: int) -> None:

@@ -67,7 +67,7 @@ from wq_sql.states import (
     FAILED,
     PENDING,
 )
-from wq_sql.store import mixing, quarantine
+from wq_sql.store import accounting, mixing, quarantine
 from wq_sql.store.dialects import SQLITE_NOW, Dialect, dialect_of, qualifier
 from wq_sql.store.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
 
@@ -308,34 +308,6 @@ def works_by_idx(conn: Connection, qid: int, idxs: Sequence[int]) -> dict[int, s
 ENDED = (items.c.claimed_at, items.c.attempts)
 
 
-def _log(conn: Connection, b: Dialect, qid: int, kind: str, rows: Iterable[Any],
-         worker_id: Optional[int] = None, detail: Optional[str] = None, *, counted: bool = False,
-         delivery: bool = True) -> None:
-    """One history row per row of ``rows``. ``delivery``: each row ended a delivery, whose
-    ``claimed_at`` and attempt it records (rows carry ``claimed_at`` and ``attempts``, the latter
-    after the statement's own increment when it ``counted`` an attempt); else (a requeue of a
-    done or failed item) neither is recorded."""
-    batch = [{"queue_id": qid, "item_id": r.id, "epoch": r.epoch, "seq": r.seq, "kind": kind,
-              "worker_id": worker_id if worker_id is not None else r.worker_id,
-              "token": getattr(r, "token", None), "detail": detail,
-              "claimed_at": r.claimed_at if delivery else None,
-              "attempt": r.attempts - counted if delivery else None} for r in rows]
-    if batch:
-        conn.execute(insert(events).values(at=b.now()), batch)
-
-
-def _tally(conn: Connection, b: Dialect, qid: int, rows: Iterable[Any], column: str,
-           worker_id: Optional[int] = None) -> None:
-    counts: dict[tuple[int, int], int] = {}
-    for r in rows:
-        key = (r.epoch, worker_id if worker_id is not None else r.worker_id)
-        counts[key] = counts.get(key, 0) + 1
-    for (epoch, wid), k in counts.items():
-        stmt = b.insert(tallies).values(queue_id=qid, epoch=epoch, worker_id=wid, **{column: k})
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["queue_id", "epoch", "worker_id"],
-            set_={column: getattr(tallies.c, column) + getattr(stmt.excluded, column)})
-        conn.execute(stmt)
 
 
 # ---------------------------------------------------------------- acks (the claim round: store/hot/claim.py)
@@ -368,8 +340,8 @@ def complete(conn: Connection, b: Dialect, qid: int, worker_id: int,
         update(items).where(_fenced(pairs))
         .values(state=DONE, done_at=b.now(), lease_until=None)
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token, *ENDED)).all()
-    _log(conn, b, qid, EV_DONE, rows, worker_id)
-    _tally(conn, b, qid, rows, "n_done", worker_id)
+    accounting.history(conn, b, qid, EV_DONE, rows, worker_id)
+    accounting.tally(conn, b, qid, rows, "n_done", worker_id)
     accepted = {r.id for r in rows}
     if len(accepted) < len(pairs):
         accepted |= done_already(conn, [p for p in pairs if p[0] not in accepted])
@@ -397,7 +369,7 @@ def release(conn: Connection, b: Dialect, qid: int, worker_id: int,
         update(items).where(_fenced(pairs))
         .values(state=PENDING, token=None, lease_until=None)
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token, *ENDED)).all()
-    _log(conn, b, qid, EV_RELEASE, rows, worker_id)
+    accounting.history(conn, b, qid, EV_RELEASE, rows, worker_id)
     return {r.id for r in rows}
 
 
@@ -416,8 +388,8 @@ def fail(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequence
         .values(state=state, attempts=items.c.attempts + 1, last_error=error, lease_until=None,
                 done_at=case((state == FAILED, b.now()), else_=None))
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.token, *ENDED)).all()
-    _log(conn, b, qid, EV_FAIL, rows, worker_id, error, counted=True)
-    _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed", worker_id)
+    accounting.history(conn, b, qid, EV_FAIL, rows, worker_id, error, counted=True)
+    accounting.tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed", worker_id)
     return {r.id for r in rows}
 
 
@@ -442,8 +414,8 @@ def _give_back(conn: Connection, b: Dialect, qid: int, where: list[Any], max_att
         .values(state=state, attempts=items.c.attempts + 1, token=None, lease_until=None,
                 last_error=why, done_at=case((state == FAILED, b.now()), else_=None))
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.state, items.c.worker_id, *ENDED)).all()
-    _log(conn, b, qid, EV_EXPIRE, rows, detail=why, counted=True)
-    _tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed")
+    accounting.history(conn, b, qid, EV_EXPIRE, rows, detail=why, counted=True)
+    accounting.tally(conn, b, qid, [r for r in rows if r.state == FAILED], "n_failed")
     return len(rows)
 
 
@@ -658,9 +630,11 @@ def recover(conn: Connection, b: Dialect, qid: int, worker_id: int, lease_second
     failed = [r for r in rows if r.state == FAILED]
     kept = [r for r in rows if r.state != FAILED]
     # Each row ends the dead process's delivery; a kept item's next delivery begins with it.
-    _log(conn, b, qid, EV_RECOVER, kept, worker_id, "restarted worker took its items back", counted=True)
-    _log(conn, b, qid, EV_FAIL, failed, worker_id, "worker died holding it too often", counted=True)
-    _tally(conn, b, qid, failed, "n_failed", worker_id)
+    accounting.history(conn, b, qid, EV_RECOVER, kept, worker_id, "restarted worker took its items back",
+                       counted=True)
+    accounting.history(conn, b, qid, EV_FAIL, failed, worker_id, "worker died holding it too often",
+                       counted=True)
+    accounting.tally(conn, b, qid, failed, "n_failed", worker_id)
     return sorted((Claimed(r.id, r.epoch, r.seq, r.work_idx, token, r.attempts) for r in kept),
                   key=lambda c: (c.epoch, c.seq))
 
@@ -780,8 +754,8 @@ def cover(conn: Connection, b: Dialect, qid: int, worker_id: int, pairs: Sequenc
             update(items).where(_fenced(pairs))
             .values(state=DONE, done_at=b.now(), lease_until=None, ckpt_step=step)
             .returning(items.c.id, items.c.epoch, items.c.seq, items.c.token, *ENDED)))
-        _log(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step}")
-        _tally(conn, b, qid, rows, "n_done", worker_id)
+        accounting.history(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step}")
+        accounting.tally(conn, b, qid, rows, "n_done", worker_id)
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_SAVE, step=step,
                                             items=len(rows), ambiguous=ambiguous, at=b.now()))
     return {r.id for r in rows}
@@ -832,8 +806,8 @@ def reopen_after(conn: Connection, b: Dialect, qid: int, worker_id: int, step: O
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id)).all()
     why = (f"model restored from checkpoint step {step}" if step is not None
            else "model restored without a checkpoint")
-    _log(conn, b, qid, EV_REQUEUE, rows, worker_id, why, delivery=False)
-    _untally(conn, qid, rows, "n_done")
+    accounting.history(conn, b, qid, EV_REQUEUE, rows, worker_id, why, delivery=False)
+    accounting.untally(conn, qid, rows, "n_done")
     quarantine.sweep(conn, qid, ids=[r.id for r in rows])
     conn.execute(insert(checkpoints).values(queue_id=qid, worker_id=worker_id, action=CK_RESTORE, step=step,
                                             items=len(rows), ambiguous=0, at=b.now()))
@@ -854,8 +828,8 @@ def cover_listed(conn: Connection, b: Dialect, qid: int, worker_id: int, writer_
                                 and_(items.c.state == CLAIMED, items.c.worker_id == writer_id)))
         .values(state=DONE, done_at=b.now(), lease_until=None, ckpt_step=step, token=None)
         .returning(items.c.id, items.c.epoch, items.c.seq, *ENDED)))
-    _log(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step} (restored)")
-    _tally(conn, b, qid, rows, "n_done", worker_id)
+    accounting.history(conn, b, qid, EV_DONE, rows, worker_id, f"checkpoint step {step} (restored)")
+    accounting.tally(conn, b, qid, rows, "n_done", worker_id)
     return len(rows)
 
 
@@ -916,36 +890,12 @@ def requeue(conn: Connection, b: Dialect, qid: int, from_state: str, *, epoch: O
         update(items).where(items.c.id == locked.c.id, items.c.state == from_state).values(**values)
         .returning(items.c.id, items.c.epoch, items.c.seq, items.c.worker_id, *ENDED)).all()
     # A requeued claimed item ends its delivery; a done or failed one ends none.
-    _log(conn, b, qid, EV_REQUEUE, rows, detail=detail or f"operator requeued a {from_state} item",
-         delivery=from_state == CLAIMED)
+    accounting.history(conn, b, qid, EV_REQUEUE, rows,
+                       detail=detail or f"operator requeued a {from_state} item",
+                       delivery=from_state == CLAIMED)
     if from_state in (DONE, FAILED):
-        _untally(conn, qid, rows, "n_done" if from_state == DONE else "n_failed")
+        accounting.untally(conn, qid, rows, "n_done" if from_state == DONE else "n_failed")
     quarantine.sweep(conn, qid, ids=[r.id for r in rows])  # a quarantined work's rows stay out
     return list(rows)
 
 
-def _untally(conn: Connection, qid: int, rows: Iterable[Any], column: str) -> None:
-    """Take rows off the counters that counted them: (epoch, the item's worker), the key every
-    ack, fail and expiry tallies under. An item whose worker row is gone (``worker_id`` NULL)
-    comes off another counter of its epoch, so the per-epoch sums stay exact."""
-    col = getattr(tallies.c, column)
-    counts: dict[tuple[int, Optional[int]], int] = {}
-    for r in rows:
-        counts[(r.epoch, r.worker_id)] = counts.get((r.epoch, r.worker_id), 0) + 1
-    for (epoch, wid), k in counts.items():
-        where = [tallies.c.queue_id == qid, tallies.c.epoch == epoch]
-        if wid is not None:
-            moved = conn.execute(update(tallies).where(*where, tallies.c.worker_id == wid, col >= k)
-                                 .values({column: col - k})).rowcount
-            left = 0 if moved else k
-        else:
-            left = k
-        while left > 0:
-            row = conn.execute(select(tallies.c.worker_id, col).where(*where, col > 0)
-                               .order_by(col.desc()).limit(1)).one_or_none()
-            if row is None:
-                break
-            take = min(left, int(row[1]))
-            conn.execute(update(tallies).where(*where, tallies.c.worker_id == row.worker_id)
-                         .values({column: col - take}))
-            left -= take
