@@ -164,7 +164,7 @@ def test_the_cli_lists_refuses_bad_input_and_changes_nothing(db_url: str,
     before = rows(db_url, "SELECT id, state, attempts FROM wq_items ORDER BY id")
     for args, needle in [
         (["--work", "zz*", "--reason", "x"], "no work of queue 'c' matches 'zz*'"),
-        (["--where", "work = 'w01'; DROP TABLE wq_items", "--reason", "x"], "not a plain predicate"),
+        (["--where", "work = 'w01'; DROP TABLE wq_items", "--reason", "x"], "is not a plain one"),
         (["--where", "nosuch = 1", "--reason", "x"], "nosuch"),
         (["--work", "w01"], "--reason"),
         (["--work", "w01", "--reason", "  "], "reason"),

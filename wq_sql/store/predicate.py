@@ -72,7 +72,8 @@ def parse(text: str, columns: Mapping[str, Any]) -> tuple[Any, set[str]]:
     """The predicate ``text`` as a SQLAlchemy expression over ``columns`` (name -> column
     expression), and the names it uses. Raises ``InvalidInput`` for anything else."""
     if not text.strip():
-        raise InvalidInput("--where is empty: give a predicate such as \"work LIKE '%/bad-%'\"")
+        raise InvalidInput("the predicate (--where, where=) is empty: give one such as "
+                           "\"work LIKE '%/bad-%'\"")
     p = _Parser(text, tokens(text), columns)
     expr = p.predicate()
     if p.peek().kind != "end":
@@ -189,6 +190,6 @@ class _Parser:
 def _refused(text: str, at: int, why: str, columns: Mapping[str, Any] = {}) -> InvalidInput:
     offered = f" Columns: {', '.join(sorted(columns))}." if columns else ""
     return InvalidInput(
-        f"--where is not a plain predicate ({why} at character {at + 1} of {text!r}). Use "
+        f"the predicate (--where, where=) is not a plain one ({why} at character {at + 1} of {text!r}). Use "
         "comparisons (=, !=, <, <=, >, >=), LIKE, IN (...), BETWEEN, IS [NOT] NULL, joined by "
         f"AND, OR, NOT and parentheses, over quoted texts and numbers.{offered}")
