@@ -56,6 +56,7 @@ def test_a_quarantined_work_stays_out_through_requeues_resets_restores_and_new_e
     their items is ever delivered, the audit stays exactly-once, and the queue ends."""
     name = "q"
     with WorkQueue(WORKS, num_epochs=3, shuffle=False, name=name, url=db_url, worker="a", max_attempts=1,
+                   claim_ahead=False,  # nothing claimed behind the test's back: w02 alone is in flight
                    lease_ahead=1) as q:
         first = [q.take().work for _ in range(3)]  # w00, w01 done, w02 in hand
         out = wq_sql.quarantine(name, work="w0[0-4]", reason="corrupt records", url=db_url, by="test")

@@ -106,7 +106,10 @@ class ClaimRound:
                 "FROM c WHERE wq_items.id = c.id RETURNING id, epoch, seq, work_idx, attempts, "
                 # Each claimed row's work string, read by primary key: no SELECT of its own.
                 "(SELECT work FROM wq_works w WHERE w.queue_id = wq_items.queue_id "
-                "AND w.idx = wq_items.work_idx)")
+                "AND w.idx = wq_items.work_idx), "
+                # The queue's revoked counter, by primary key, in the same statement.
+                "(SELECT revoked FROM wq_queues q WHERE q.id = wq_items.queue_id)")
+            # The counter when the round claimed nothing (its buffer may still hold revoked items).
             self._revoked = "SELECT revoked FROM wq_queues WHERE id = ?"
             return
         # The round is the server-side function wq_claim_round() (claim_round.sql): its
@@ -205,8 +208,11 @@ class ClaimRound:
             for epoch, k in per_epoch.items():
                 cur.execute(sql, (qid, epoch, worker_id, k))
             sql, params = self._claim, (qid, n, worker_id, token, self._later)
-            rows = cur.execute(sql, params).fetchall()  # (id, epoch, seq, work_idx, attempts, work)
-            if n:
+            # (id, epoch, seq, work_idx, attempts, work, revoked)
+            rows = cur.execute(sql, params).fetchall()
+            if rows:
+                self.revoked = int(rows[0][6])
+            elif n:
                 sql, params = self._revoked, (qid,)
                 got = cur.execute(sql, params).fetchone()
                 if got is not None:
