@@ -20,6 +20,7 @@ from worker_proc import Proc
 import wq_sql
 from wq_sql import InvalidInput, QueueExhausted, WorkQueue
 from wq_sql.cli import main as cli
+from wq_sql.monitor.metrics import QueueCollector
 
 WORKS = [f"w{i:02d}" for i in range(20)]
 HELD = {f"w0{i}" for i in range(5)}  # what "w0[0-4]" names
@@ -190,3 +191,32 @@ def test_the_cli_lists_refuses_bad_input_and_changes_nothing(db_url: str,
     assert cli(["unquarantine", "c", "--url", db_url, "--work", "w0[5-6]"]) == 0
     assert "2 work(s) out of quarantine; 2 item(s) pending again" in capsys.readouterr().out
     assert [h.work for h in wq_sql.quarantined("c", url=db_url)] == ["w07"]
+    # The metrics count it apart: a series of its own, the pending ones without it.
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    try:
+        items = {s.labels["state"]: s.value for m in QueueCollector(engine, queues=["c"]).collect()
+                 if m.name == "wq_sql_items" for s in m.samples if s.labels["epoch"] == "0"}
+    finally:
+        engine.dispose()
+    assert items == {"pending": 18, "claimed": 0, "done": 1, "failed": 0, "quarantined": 1}
+
+
+def test_a_trainer_quarantines_the_item_in_its_hands(db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``wq.quarantine(item, reason)`` instead of completing it: its work is never handed out
+    again, to this worker or another, in this epoch or the next; nothing is logged as a lost
+    lease; the queue ends with it counted."""
+    with WorkQueue(WORKS, num_epochs=2, shuffle=False, name="t", url=db_url, worker="a") as q:
+        bad = q.take()
+        assert bad.work == "w00"
+        with pytest.raises(InvalidInput, match="needs a reason"):
+            q.quarantine(bad, "  ")
+        assert q.quarantine(bad, "UnicodeDecodeError at byte 4242") >= 1
+        with caplog.at_level("WARNING", logger="wq_sql"):
+            rest = [q.take().work for _ in range(len(WORKS) - 1)]
+        assert "w00" not in rest and not [r for r in caplog.records if "lease" in r.getMessage().lower()]
+    other = drain(db_url, "t", "b")
+    assert "w00" not in other and len(rest) + len(other) == 2 * len(WORKS) - 2
+    [(work, reason, by)] = [(h.work, h.reason, h.by) for h in wq_sql.quarantined("t", url=db_url)]
+    assert (work, reason, by) == ("w00", "UnicodeDecodeError at byte 4242", "worker a")
+    assert states(db_url, "t") == {"done": 38, "quarantined": 2}
+    assert cli(["audit", "t", "--url", db_url]) == 0
