@@ -180,7 +180,7 @@ def test_the_cli_lists_refuses_bad_input_and_changes_nothing(db_url: str,
 
     assert cli(["quarantine", "c", "--url", db_url, "--where", "work IN ('w05', 'w06') OR seq = 7",
                 "--reason", "CRC errors"]) == 0
-    assert "3 work(s) in quarantine; 3 item(s) held back" in capsys.readouterr().out
+    assert "3 work(s) put in quarantine; 3 item(s) held back" in capsys.readouterr().out
     assert cli(["quarantine", "c", "--url", db_url]) == 0
     listing = capsys.readouterr().out
     assert "3 work(s) in quarantine" in listing and "CRC errors" in listing and "w07" in listing

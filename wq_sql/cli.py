@@ -534,9 +534,9 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
         raise CliError("say why with --reason TEXT, e.g. --reason 'corrupt records (CRC errors)'")
     out = admin.quarantine(args.name, work=args.work, where=args.where, reason=args.reason, url=url,
                            schema=args.schema)
-    again = f" ({out.already} of them already were)" if out.already else ""
-    print(f"queue {args.name!r}: {out.works} work(s) in quarantine{again}; {out.items} item(s) held back, "
-          f"{out.in_flight} of them taken back from workers; "
+    again = f" ({out.already} more matched that were in already)" if out.already else ""
+    print(f"queue {args.name!r}: {out.works} work(s) put in quarantine{again}; {out.items} item(s) "
+          f"held back, {out.in_flight} of them taken back from workers; "
           f"wq-sql unquarantine {shlex.quote(args.name)} --all gives them back")
     return 0
 
