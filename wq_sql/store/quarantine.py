@@ -72,11 +72,11 @@ def quarantine(conn: Connection, qid: int, idxs: Sequence[int], reason: str, by:
     wanted = sorted(set(idxs))
     known = {r[0] for r in conn.execute(select(quarantine_t.c.work_idx).where(
         quarantine_t.c.queue_id == qid, quarantine_t.c.work_idx.in_(wanted)))}
-    now = dt.datetime.now(dt.timezone.utc)
     new = [i for i in wanted if i not in known]
-    for k in range(0, len(new), CHUNK):
-        conn.execute(insert(quarantine_t), [{"queue_id": qid, "work_idx": i, "reason": reason, "by": by[:300],
-                                             "at": now} for i in new[k:k + CHUNK]])
+    for k in range(0, len(new), CHUNK):  # stamped by the database clock, as every other row
+        conn.execute(insert(quarantine_t).values(at=b.now()),
+                     [{"queue_id": qid, "work_idx": i, "reason": reason, "by": by[:300]}
+                      for i in new[k:k + CHUNK]])
     # The rows still to be delivered, locked, with their state: one pass over the queue's rows
     # (work_idx has no index; an operator action, not a hot path).
     rows: list[Any] = []
