@@ -1119,7 +1119,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, default in (("url", None), ("schema", None), ("debug", False)):
         if not hasattr(args, name):
             setattr(args, name, default)
+    given = os.environ.get("PGCONNECT_TIMEOUT")
     os.environ.setdefault("PGCONNECT_TIMEOUT", PG_CONNECT_TIMEOUT)
+    try:
+        return _run(args)
+    finally:  # for this command only: a program that calls main() keeps its own setting
+        if given is None:
+            os.environ.pop("PGCONNECT_TIMEOUT", None)
+
+
+def _run(args: argparse.Namespace) -> int:
     bad = _not_utf8(args)
     if bad:
         # Undecodable bytes in argv arrive as lone surrogates, which no database can store.

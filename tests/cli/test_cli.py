@@ -318,6 +318,19 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
     return rc, captured.out, captured.err
 
 
+def test_the_commands_connect_timeout_is_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The command bounds its Postgres connects (``PGCONNECT_TIMEOUT``) while it runs, and leaves a
+    program that calls ``main()`` its own setting: unset stays unset, a value stays that value."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    assert run_cli(capsys, "upgrade", "--url", url)[0] == 0
+    assert "PGCONNECT_TIMEOUT" not in os.environ
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "30")
+    assert run_cli(capsys, "ls", "--url", url)[0] == 0
+    assert os.environ["PGCONNECT_TIMEOUT"] == "30"
+
+
 def test_requeue_expired_and_done_keep_the_counters_right(db_url: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from worker_proc import query, query_commit
