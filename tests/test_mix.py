@@ -17,27 +17,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from mix_worker import SCRIPT, SIZES, WEIGHTS, source_of, sources
 from procwatch import child_env
+from worker_proc import query as rows
 
 import wq_sql
 from wq_sql import InvalidInput, QueueConfigMismatch, QueueNotFound, WorkQueue
 from wq_sql.cli import main as cli
 
 SHARES = {"web": 0.6, "code": 0.3, "math": 0.1}
-
-
-def rows(url: str, sql: str, **params: Any) -> list[Any]:
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as c:
-            return list(c.execute(sa.text(sql), params))
-    finally:
-        engine.dispose()
 
 
 def start(url: str, name: str, worker: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from worker_proc import Proc
+from worker_proc import query as rows
 
 import wq_sql
 from wq_sql import InvalidInput, QueueExhausted, WorkQueue
@@ -24,15 +25,6 @@ from wq_sql.monitor.metrics import QueueCollector
 
 WORKS = [f"w{i:02d}" for i in range(20)]
 HELD = {f"w0{i}" for i in range(5)}  # what "w0[0-4]" names
-
-
-def rows(url: str, sql: str, **params: Any) -> list[Any]:
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as c:
-            return list(c.execute(sa.text(sql), params))
-    finally:
-        engine.dispose()
 
 
 def states(url: str, name: str) -> dict[str, int]:
