@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -85,6 +87,13 @@ def get(address: str) -> str:
         return str(r.read().decode())
 
 
+def timeline_span(svg: str) -> float:
+    """The seconds a timeline picture spans (its title says "over S s")."""
+    m = re.search(r" over ([0-9.]+) s, ", svg)
+    assert m is not None, svg[:500]
+    return float(m.group(1))
+
+
 def test_dashboard_in_chromium(backend: str, db_url: str, tmp_path: Path, browser: Any) -> None:
     create_queue(db_url, tmp_path, "train", N, poison_every=POISON_EVERY)
     server, address = start_server("dashboard", "--url", with_password(db_url), "--port", "0", "--window",
@@ -131,6 +140,10 @@ def test_dashboard_in_chromium(backend: str, db_url: str, tmp_path: Path, browse
         for w in workers:
             wait_exhausted(w, timeout=180)
         page.wait_for_function(AT_LEAST, arg=N, timeout=60_000)
+        # A finished queue's picture ends at its last event: drawn again later, the same span.
+        first_span = timeline_span(get(address + "api/timeline.svg?queue=train"))
+        time.sleep(1.5)
+        assert timeline_span(get(address + "api/timeline.svg?queue=train")) == first_span
         if is_pg(backend):
             outage(page, db_url)
     finally:

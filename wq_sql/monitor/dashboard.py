@@ -113,7 +113,8 @@ class Watcher:
             workers = statements.workers
             lanes = [r.name for r in conn.execute(
                 workers.select().where(workers.c.queue_id == q.id).order_by(workers.c.name))]
-            return report.render_svg(snapshot.timeline_of(q, events, lanes, now, self.minutes))
+            finished = sum(statements.progress(conn, q.id)) >= q.n_works * q.num_epochs
+            return report.render_svg(snapshot.timeline_of(q, events, lanes, now, self.minutes, finished))
         return snapshot.snapshot(self.engine, read)
 
     def scrub(self, body: str) -> bytes:

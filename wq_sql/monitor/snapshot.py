@@ -342,12 +342,17 @@ def failures(events: list[report.Event], limit: int = 20) -> list[Failure]:
 
 
 def timeline_of(q: Any, events: list[report.Event], workers: list[str], now: dt.datetime,
-                minutes: float) -> report.Timeline:
-    """The deliveries among ``events`` as ``report.render_svg`` draws them, over the window."""
+                minutes: float, finished: bool = False) -> report.Timeline:
+    """The deliveries among ``events`` as ``report.render_svg`` draws them, over the window: up
+    to now, or, for a ``finished`` queue, up to its last event (a run that ended stays drawn at
+    its own scale, not squeezed to the left as time goes on)."""
     bars = report.pair_deliveries(events)
     lanes = list(workers) + sorted({b.worker for b in bars} - set(workers))
     t0 = now - dt.timedelta(minutes=minutes)
     if bars:
         t0 = max(t0, min(b.start for b in bars))
-    return report.Timeline(q.name, lanes, bars, {}, t0, now)
+    t1 = now
+    if finished and events:
+        t1 = max(t0, max(ev.at for ev in events))
+    return report.Timeline(q.name, lanes, bars, {}, t0, t1)
 
