@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_support import CKPT_WORKER, LINES_PER_FILE, base_job, check_queue, train
+from ckpt_support import CKPT_WORKER, LINES_PER_FILE, base_job, check_queue, rows, train
 from procwatch import child_env
 
 FILES = 6  # items per epoch
@@ -33,6 +33,11 @@ FILES = 6  # items per epoch
 def job_for(url: str, tmp: Path, mode: str, queue: str, epochs: int, **changes: Any) -> dict[str, Any]:
     job = base_job(url, tmp, mode, FILES)
     return {**job, "queue": queue, "num_epochs": epochs, "batch": LINES_PER_FILE, **changes}
+
+
+def missed(counts: list[list[int]]) -> list[list[int]]:
+    """Per Keras epoch, the files (items) with a record it did not train."""
+    return [sorted({r // LINES_PER_FILE for r, c in enumerate(epoch) if c == 0}) for epoch in counts]
 
 
 def exactly_once(url: str, job: dict[str, Any], final: dict[str, Any], files: int = FILES) -> tuple[int, int]:
@@ -109,7 +114,15 @@ def test_keras_epochs_resume_at_the_restored_epoch(db_url: str, tmp_path: Path) 
     final = train(job)
     assert final["start"] == 1
     counts, w = final["counts"], final["read_ahead"]
-    assert all(min(epoch) >= 1 for epoch in counts), "a Keras epoch missed records of its queue epoch"
+    if not all(min(epoch) >= 1 for epoch in counts):
+        q = "keras-resume"
+        history = rows(db_url, "SELECT event_id, epoch, seq, item_id, kind, worker, detail FROM wq_history "
+                               "WHERE queue = :q ORDER BY event_id", q=q)
+        saves = rows(db_url, "SELECT c.action, c.step, c.items, c.ambiguous FROM wq_checkpoints c JOIN "
+                             "wq_queues q ON q.id = c.queue_id WHERE q.name = :q ORDER BY c.id", q=q)
+        raise AssertionError("a Keras epoch missed records of its queue epoch: per Keras epoch, the files "
+                             f"with a record never trained: {missed(counts)}; checkpoints: {saves}; "
+                             "history:\n" + "\n".join(map(str, history)))
     assert sum(c - 1 for epoch in counts for c in epoch) <= w * LINES_PER_FILE
     check_queue(db_url, "keras-resume", 3 * FILES)
 
