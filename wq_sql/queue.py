@@ -532,6 +532,19 @@ class WorkQueue:
 
     # ------------------------------------------------------------------ progress and lifecycle
 
+    def add_input_wait(self, seconds: float) -> None:
+        """Add ``seconds`` the training loop waited for its next batch to this worker's
+        waiting-on-data total, which its heartbeat sends (``wq_workers.input_wait``, the metric
+        ``wq_sql_worker_input_wait_seconds_total``, the dashboard's "waiting on data"). The
+        shims call it for the rank's own queue object; a custom loop may call it around its
+        own wait for data. Thread-safe."""
+        self._hot.add_input_wait(seconds)
+
+    @property
+    def input_wait(self) -> Optional[float]:
+        """This worker's waiting-on-data total, seconds (None: nothing was measured)."""
+        return self._hot.input_wait
+
     def progress(self) -> Progress:
         """Counts from the counters table (no scan of the items), after sending this object's
         pending acknowledgements (items finished here count)."""

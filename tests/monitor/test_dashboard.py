@@ -113,6 +113,12 @@ def test_dashboard_in_chromium(backend: str, db_url: str, tmp_path: Path, browse
         assert page.locator('tr[data-worker="slow"] .badge.straggler').inner_text() == "straggler"
         fast = page.locator('tr[data-worker^="fast"].straggler').count()
         assert fast < 3, "every fast worker marked: the rule is relative to the median"
+        # The workers' loops measure their waits for items (watch_support): a share and seconds
+        # per worker, and the queue's share with the most waiting worker in its summary line.
+        page.wait_for_function("""() => [...document.querySelectorAll(
+            'section[data-queue="train"] td.input-wait')].some(td => /% \\(/.test(td.textContent))""",
+                               timeout=60_000)
+        assert "waiting on data" in page.locator('section[data-queue="train"] .meta').first.inner_text()
 
         error = page.locator("table.failures td.error", has_text="boom: cannot parse poison")
         error.first.wait_for(timeout=60_000)

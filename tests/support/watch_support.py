@@ -162,10 +162,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     # one look gone to the others (3 missed beats).
     wq = WorkQueue.attach(name, url=url, worker=worker, heartbeat_seconds=2.0, lease_seconds=30)
     while True:
+        asked = time.perf_counter()
         try:
             item = wq.take()
         except QueueExhausted:
             break
+        wq.add_input_wait(time.perf_counter() - asked)  # the loop's waiting on data, as a shim's
         time.sleep(float(item_ms) / 1000)
         if POISON in item.work:
             wq.fail(item, f"boom: cannot parse {item.work}")

@@ -127,6 +127,7 @@ class Watcher:
 
 def _queue_json(v: snapshot.QueueView, fails: list[snapshot.Failure], window: float) -> dict[str, Any]:
     rate = v.rate or 0.0
+    share, waiters = snapshot.waiting_on_data(v.workers)
     epochs = []
     left_before = 0
     for e in v.epochs:
@@ -142,9 +143,13 @@ def _queue_json(v: snapshot.QueueView, fails: list[snapshot.Failure], window: fl
         "total": v.total, "finished": v.finished, "rate": rate, "recent_done": v.recent,
         "eta_seconds": v.eta_seconds, "oldest_delivery_age": v.oldest_delivery_age,
         "median_rate": v.median_rate,
+        "input_wait_share": share,
+        "most_waiting": None if not waiters else {"name": waiters[0].name,
+                                                  "share": waiters[0].input_wait_share},
         "workers": [{"name": w.name, "host": w.host, "pid": w.pid, "live": w.live, "stale": w.stale,
                      "heartbeat_age": w.heartbeat_age, "done": w.done, "failed": w.failed, "held": w.held,
-                     "recent": w.recent, "rate": w.rate, "straggler": w.straggler}
+                     "recent": w.recent, "rate": w.rate, "straggler": w.straggler,
+                     "input_wait": w.input_wait, "input_wait_share": w.input_wait_share}
                     for w in snapshot.by_rate(v.workers)],
         "failures": [{"epoch": f.epoch, "seq": f.seq, "kind": f.kind, "worker": f.worker,
                       "at": f.at.isoformat(), "error": mask_secrets(f.error or "")} for f in fails],

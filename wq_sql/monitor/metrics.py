@@ -118,6 +118,12 @@ class QueueCollector(Collector):
                                    labels=qw)
         w_held = GaugeMetricFamily("wq_sql_worker_items_held", "items it has claimed now", labels=qw)
         w_strag = GaugeMetricFamily("wq_sql_worker_straggler", "1 if the worker is a straggler", labels=qw)
+        w_wait = CounterMetricFamily("wq_sql_worker_input_wait_seconds", "seconds its training loop waited "
+                                     "for data (the shims measure it), as of its last heartbeat", labels=qw)
+        waiting = GaugeMetricFamily("wq_sql_input_wait_share", "share of the live training loops' running "
+                                    "time spent waiting for data (absent: none measures it)", labels=q_)
+        worst = GaugeMetricFamily("wq_sql_input_wait_worst_share", "the largest share of one live training "
+                                  "loop's running time spent waiting for data", labels=q_)
         for v in views:
             per_epoch.add_metric([v.name], v.n_works)
             epochs.add_metric([v.name], v.num_epochs)
@@ -145,6 +151,16 @@ class QueueCollector(Collector):
             slow = snapshot.stragglers(v.workers)
             strag.add_metric([v.name], len(slow))
             shown = v.workers if self.per_worker else slow[:self.top_k]
+            share, waiters = snapshot.waiting_on_data(v.workers)
+            if share is not None:
+                waiting.add_metric([v.name], share)
+                worst.add_metric([v.name], waiters[0].input_wait_share or 0.0)
+            # Per worker: every one, or the stragglers' and the most waiting top k.
+            named = {w.name for w in shown}
+            for w in v.workers if self.per_worker else shown + [w for w in waiters[:self.top_k]
+                                                                 if w.name not in named]:
+                if w.input_wait is not None:
+                    w_wait.add_metric([v.name, w.name], w.input_wait)
             for w in shown:
                 labels = [v.name, w.name]
                 w_done.add_metric(labels, w.done)
@@ -155,7 +171,7 @@ class QueueCollector(Collector):
                 w_held.add_metric(labels, w.held)
                 w_strag.add_metric(labels, 1 if w.straggler else 0)
         yield from (per_epoch, epochs, created, items, deliv, redeliv, expired, fails, oldest, rate, eta,
-                    workers, strag, w_done, w_failed, w_rate, w_beat, w_held, w_strag)
+                    workers, strag, w_done, w_failed, w_rate, w_beat, w_held, w_strag, w_wait, waiting, worst)
 
 
 def serve(engine: Engine, *, host: str, port: int, queues: Sequence[str] = (), per_worker: bool = False,

@@ -91,6 +91,18 @@ class WorkerView:
     recent: int                # items done in the window
     rate: Optional[float]      # items done per second over the window (None: too young to judge)
     straggler: bool
+    # Seconds its training loop waited for data, summed, as of its last heartbeat or its close
+    # (None: not measured), and its time from start to last heartbeat (None: closed).
+    input_wait: Optional[float] = None
+    running: Optional[float] = None
+
+    @property
+    def input_wait_share(self) -> Optional[float]:
+        """The share of its running time its training loop waited for data (None: not
+        measured, or closed)."""
+        if self.input_wait is None or not self.running:
+            return None
+        return min(self.input_wait / self.running, 1.0)
 
 
 @dataclass(frozen=True)
@@ -170,8 +182,10 @@ def read_queue(conn: Connection, d: Dialect, q: Any, *, window: float = WINDOW_S
         if rate is not None:
             judged.append(rate)
         done, failed = st.by_worker.get(r.id, (0, 0))
+        waited = None if r.input_wait is None else float(r.input_wait)
+        running = max(_seconds(r.heartbeat_at, r.started_at), 0.0) if live else None
         workers.append(WorkerView(r.name, r.host, r.pid, live, stale, age, done, failed,
-                                  st.holding.get(r.id, 0), k, rate, False))
+                                  st.holding.get(r.id, 0), k, rate, False, waited, running))
     median = statistics.median(judged) if judged else None
     if median:
         workers = [w if w.rate is None or w.rate >= STRAGGLER_FRACTION * median
@@ -189,6 +203,17 @@ def read_queue(conn: Connection, d: Dialect, q: Any, *, window: float = WINDOW_S
 def by_rate(workers: list[WorkerView]) -> list[WorkerView]:
     """Live workers first, fastest first; the unjudged (too young) after the judged."""
     return sorted(workers, key=lambda w: (not w.live, w.rate is None, -(w.rate or 0.0), w.name))
+
+
+def waiting_on_data(workers: list[WorkerView]) -> tuple[Optional[float], list[WorkerView]]:
+    """The live measured workers' waiting on data: their waits over their running times, summed
+    (None: no live worker measures it), and those workers, the most waiting first."""
+    measured = [w for w in workers if w.input_wait_share is not None]
+    if not measured:
+        return None, []
+    waited = sum(w.input_wait or 0.0 for w in measured)
+    ran = sum(w.running or 0.0 for w in measured)
+    return min(waited / ran, 1.0), sorted(measured, key=lambda w: (-(w.input_wait_share or 0.0), w.name))
 
 
 def stragglers(workers: list[WorkerView], k: Optional[int] = None) -> list[WorkerView]:

@@ -154,6 +154,9 @@ class Worker(Base):
     # a worker of a later restart of the run returns this one's items at once.
     run_id: Mapped[Optional[str]] = mapped_column(String(200))
     run_restart: Mapped[Optional[int]] = mapped_column(Integer)
+    # Seconds the training loop of this incarnation's process waited for its next batch, summed
+    # (the shims measure it; NULL: not measured), as of its last heartbeat or its close.
+    input_wait: Mapped[Optional[float]] = mapped_column(Float)
 
 
 class Item(Base):

@@ -529,8 +529,8 @@ def _take_over_sql(sqlite: bool, p: str) -> str:
     v, now = _binder(sqlite), SQLITE_NOW if sqlite else "clock_timestamp()"
     return (f"UPDATE {p}wq_workers SET incarnation = {v('inc')}, host = {v('host')}, pid = {v('pid')}, "
             f"proc_start = {v('start')}, started_at = {now}, heartbeat_at = {now}, "
-            f"beat_seconds = {v('beat')}, run_id = {v('run')}, run_restart = {v('restart')} "
-            f"WHERE id = {v('id')}")
+            f"beat_seconds = {v('beat')}, run_id = {v('run')}, run_restart = {v('restart')}, "
+            f"input_wait = NULL WHERE id = {v('id')}")  # a new incarnation's own total
 
 
 def supersede_run(conn: Connection, b: Dialect, qid: int, me: int, run: tuple[str, int],

@@ -5,6 +5,7 @@ side is ``claiming``) and the loader state of checkpoint-consistent resume (``st
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
@@ -95,6 +96,10 @@ class QueueLoading:
         ``k`` is over, so its items are acknowledged (``Acks.trained``), and that a checkpoint
         holding a ``state_dict()`` taken after batch ``k`` was saved (``Acks.saved``)."""
         tags: Optional[deque[Notes]] = None
+        # Waiting on data: from the training loop asking for a batch (resuming this generator)
+        # to having it, summed in the rank's queue object, whose heartbeat sends it.
+        add_wait = acks.queue.add_input_wait
+        asked = time.perf_counter()
         try:
             for raw in batches:
                 if isinstance(raw, _Batch):
@@ -107,8 +112,11 @@ class QueueLoading:
                     data, handed = raw, tags.popleft()
                 acks.yielded(handed)
                 self._step += 1
+                add_wait(time.perf_counter() - asked)
                 yield data
+                asked = time.perf_counter()
                 acks.saved()
+            add_wait(time.perf_counter() - asked)  # the wait for the pass's end
             acks.yielded(())
             self._pass_ended = True
         finally:

@@ -8,6 +8,7 @@ store's."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Optional
 
@@ -36,6 +37,15 @@ class HotPath:
         self._poll = Poll(b, schema)
         self._renewal = Renewal(b, self._poll, schema)
         self._leaving = Leaving(b, schema)
+        # What this worker reports with each renewal and at its leave: the seconds its process's
+        # training loop waited for data, summed (None: not measured; see add_input_wait).
+        self.input_wait: Optional[float] = None
+        self._wait_lock = threading.Lock()
+
+    def add_input_wait(self, seconds: float) -> None:
+        """Add to the waiting-on-data total the next renewal records (from any thread)."""
+        with self._wait_lock:
+            self.input_wait = (self.input_wait or 0.0) + max(0.0, float(seconds))
 
     def round(self, worker_id: int, acks: Keys, limit: int,
               carry: Optional[Carry] = None) -> tuple[set[int], list[Claimed]]:
@@ -89,30 +99,31 @@ class HotPath:
         renewal, qid = self._renewal, self.qid
         return self.db.driver_round(lambda conn, prefix: renewal.run(
             conn, prefix, qid, worker_id, incarnation, tokens, lease_seconds, max_item_seconds, buffered,
-            poll=poll, host=host))
+            poll=poll, host=host, input_wait=self.input_wait))
 
     def carry(self, incarnation: str, tokens: list[int], buffered: int, lease_seconds: float,
               max_item_seconds: Optional[float], at: float) -> Carry:
         """A renewal for the next claim round to carry (:meth:`round`'s ``carry``)."""
-        return Carry(self._renewal, incarnation, tokens, buffered, lease_seconds, max_item_seconds, at=at)
+        return Carry(self._renewal, incarnation, tokens, buffered, lease_seconds, max_item_seconds, at=at,
+                     input_wait=self.input_wait)
 
     def leave(self, worker_id: int, incarnation: str, acks: Keys, give_back: Keys) -> set[int]:
         """A clean close: acknowledge ``acks``, give back ``give_back`` (no attempt counted)
         and mark the worker closed, in one write transaction. Returns the ids of acks accepted."""
-        qid, claim, leaving = self.qid, self._claim, self._leaving
+        qid, claim, leaving, wait = self.qid, self._claim, self._leaving, self.input_wait
 
         def leave(conn: object) -> set[int]:
             accepted = claim.run(conn, qid, worker_id, acks, 0)[0] if acks else set()
-            leaving.run(conn, qid, worker_id, incarnation, give_back)
+            leaving.run(conn, qid, worker_id, incarnation, give_back, input_wait=wait)
             return accepted
         return self.db.driver_tx(leave)
 
     def leave_lazily(self, worker_id: int, incarnation: str, give_back: Keys) -> None:
         """A clean close that acknowledges nothing: one statement that commits without waiting
         for the WAL flush (Postgres; see ``Outcomes.leave`` for why losing it is harmless)."""
-        qid, leaving = self.qid, self._leaving
+        qid, leaving, wait = self.qid, self._leaving, self.input_wait
         self.db.driver_round(lambda conn, prefix: leaving.run(conn, qid, worker_id, incarnation, give_back,
-                                                              prefix, lazy=True))
+                                                              prefix, lazy=True, input_wait=wait))
 
     def warm(self) -> None:
         """Postgres: plan the claim round's statements on a server connection now, not in the

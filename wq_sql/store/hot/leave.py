@@ -43,7 +43,8 @@ class Leaving:
                 "INSERT INTO wq_events (queue_id, item_id, epoch, seq, kind, worker_id, token, at, "
                 f"claimed_at, attempt) SELECT ?, column1, column2, column3, '{EV_RELEASE}', ?, NULL, "
                 f"{SQLITE_NOW}, column4, column5 FROM (VALUES {{rows}})")
-            self._close = "UPDATE wq_workers SET heartbeat_at = NULL WHERE id = ? AND incarnation = ?"
+            self._close = ("UPDATE wq_workers SET heartbeat_at = NULL, input_wait = coalesce(?, input_wait) "
+                           "WHERE id = ? AND incarnation = ?")
             return
         # One round trip. "state || ''": see ClaimRound (the partial index of claimed rows).
         self._sql = f"""
@@ -58,34 +59,40 @@ WITH released AS (
     SELECT %(q)s, id, epoch, seq, '{EV_RELEASE}', %(w)s, NULL, clock_timestamp(), claimed_at, attempts
     FROM released
 )
-UPDATE {p}wq_workers SET heartbeat_at = NULL WHERE id = %(w)s AND incarnation = %(inc)s
+UPDATE {p}wq_workers SET heartbeat_at = NULL, input_wait = coalesce(%(wait)s::float8, input_wait)
+WHERE id = %(w)s AND incarnation = %(inc)s
 """
         # Nothing to give back (the end of a drain): the leave alone. The statement with its two
         # empty CTEs is planned by the server at every call, far dearer than this one UPDATE,
         # and every worker leaves at once, on the last worker's path.
-        self._sql_leave = (f"UPDATE {p}wq_workers SET heartbeat_at = NULL "
+        self._sql_leave = (f"UPDATE {p}wq_workers SET heartbeat_at = NULL, "
+                           "input_wait = coalesce(%(wait)s::float8, input_wait) "
                            "WHERE id = %(w)s AND incarnation = %(inc)s")
 
     def run(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-            give_back: Sequence[tuple[int, int]], prefix: str = "", *, lazy: bool = False) -> None:
+            give_back: Sequence[tuple[int, int]], prefix: str = "", *, lazy: bool = False,
+            input_wait: Optional[float] = None) -> None:
         """Give back the claimed items among ``give_back`` ``(id, token)`` pairs (no attempt
         counted; a lost lease is skipped) and mark the worker ``incarnation`` closed. On
         Postgres ``prefix`` goes first in the query (``Db.driver_round``: then the query is its
         own transaction, one round trip), and ``lazy`` commits without waiting for the WAL
         flush (``synchronous_commit = off`` for this transaction only): for a leave that
-        acknowledges nothing, see ``Outcomes.leave`` for why losing it is harmless."""
-        self._run(conn, qid, worker_id, incarnation, give_back, prefix, lazy)
+        acknowledges nothing, see ``Outcomes.leave`` for why losing it is harmless.
+        ``input_wait``: the worker's final waiting-on-data total (None: leave the row's)."""
+        self._run(conn, qid, worker_id, incarnation, give_back, prefix, lazy, input_wait)
 
     def _run_postgres(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-                      give_back: Sequence[tuple[int, int]], prefix: str, lazy: bool) -> None:
+                      give_back: Sequence[tuple[int, int]], prefix: str, lazy: bool,
+                      input_wait: Optional[float]) -> None:
         with conn.cursor() as cur:
             sql = self._sql if give_back else self._sql_leave
             cur.execute(prefix + (PG_LAZY_COMMIT if lazy else "") + sql,
                         {"q": qid, "w": worker_id, "inc": incarnation, "ids": [k[0] for k in give_back],
-                         "tokens": [k[1] for k in give_back]})
+                         "tokens": [k[1] for k in give_back], "wait": input_wait})
 
     def _run_sqlite(self, conn: Any, qid: int, worker_id: int, incarnation: str,
-                    give_back: Sequence[tuple[int, int]], prefix: str = "", lazy: bool = False) -> None:
+                    give_back: Sequence[tuple[int, int]], prefix: str = "", lazy: bool = False,
+                    input_wait: Optional[float] = None) -> None:
         # lazy has no SQLite form: a SQLite commit's cost is its writers' turn, not a flush.
         params: tuple[Any, ...]
         cur = conn.cursor()
@@ -100,7 +107,7 @@ UPDATE {p}wq_workers SET heartbeat_at = NULL WHERE id = %(w)s AND incarnation = 
                     sql = self._events.format(rows=", ".join(["(?, ?, ?, ?, ?)"] * len(rows)))
                     params = (qid, worker_id, *(x for r in rows for x in r))
                     cur.execute(sql, params)
-            sql, params = self._close, (worker_id, incarnation)
+            sql, params = self._close, (input_wait, worker_id, incarnation)
             cur.execute(sql, params)
         except sqlite3.Error as e:  # as SQLAlchemy's, so Db's retry of "database is locked" applies
             raise DBAPIError.instance(sql, params, e, sqlite3.Error) from e

@@ -62,6 +62,7 @@ class Carry:
     most: Optional[float]
     at: float = 0.0  # when the round began (time.monotonic())
     alive: Optional[bool] = None
+    input_wait: Optional[float] = None  # the worker's waiting-on-data total (seconds; None: not measured)
 
     def pg(self) -> tuple[str, dict[str, Any]]:
         """Postgres: the data-modifying CTEs to put before the round's ``SELECT`` (their names
@@ -69,13 +70,13 @@ class Carry:
         ``%(ack_ids)s`` are used too."""
         return self.renewal.carried_pg, {"rb_buffered": self.buffered, "rb_inc": self.incarnation,
                                          "rb_lease": self.lease, "rb_tokens": self.tokens,
-                                         "rb_most": self.most}
+                                         "rb_most": self.most, "rb_wait": self.input_wait}
 
     def run_sqlite(self, conn: Any, qid: int, worker_id: int) -> None:
         """SQLite: in the round's write transaction, after its acks (done rows are no longer
         ``claimed``: the renewal's filter leaves them)."""
         r = self.renewal._run(conn, "", qid, worker_id, self.incarnation, self.tokens, self.lease, self.most,
-                              self.buffered, False, None)
+                              self.buffered, False, None, self.input_wait)
         self.alive = r.alive
 
 
@@ -91,7 +92,8 @@ class Renewal:
         self._host = (f"SELECT count(*) FROM {p}wq_workers WHERE queue_id = {{m}} AND host = {{m}} "
                       "AND heartbeat_at IS NOT NULL")
         if b.is_sqlite:
-            self._worker = (f"UPDATE wq_workers SET heartbeat_at = {SQLITE_NOW}, buffered = ? "
+            self._worker = (f"UPDATE wq_workers SET heartbeat_at = {SQLITE_NOW}, buffered = ?, "
+                            "input_wait = coalesce(?, input_wait) "
                             "WHERE id = ? AND incarnation = ? RETURNING id")
             # The claimed rows' partial index leads with (queue_id, worker_id).
             self._items = (f"UPDATE wq_items SET lease_until = {SQLITE_LATER} WHERE queue_id = ? "
@@ -103,8 +105,8 @@ class Renewal:
         # that lost its identity renews nothing. Data-modifying CTEs run to completion whether
         # or not the main query reads them.
         self._sql = (
-            f"WITH w AS (UPDATE {p}wq_workers SET heartbeat_at = clock_timestamp(), buffered = %s "
-            "WHERE id = %s AND incarnation = %s RETURNING id), "
+            f"WITH w AS (UPDATE {p}wq_workers SET heartbeat_at = clock_timestamp(), buffered = %s, "
+            "input_wait = coalesce(%s::float8, input_wait) WHERE id = %s AND incarnation = %s RETURNING id), "
             f"i AS (UPDATE {p}wq_items SET lease_until = clock_timestamp() + %s * interval '1 second' "
             f"WHERE queue_id = %s AND worker_id = (SELECT id FROM w) AND state = '{CLAIMED}' "
             "AND token = ANY(%s::bigint[]) "
@@ -116,7 +118,8 @@ class Renewal:
         # with (Carry.pg); the items its acks end are left to the round.
         self.carried_pg = (
             f"WITH rw AS (UPDATE {p}wq_workers SET heartbeat_at = clock_timestamp(), "
-            "buffered = %(rb_buffered)s WHERE id = %(w)s AND incarnation = %(rb_inc)s RETURNING id), "
+            "buffered = %(rb_buffered)s, input_wait = coalesce(%(rb_wait)s::float8, input_wait) "
+            "WHERE id = %(w)s AND incarnation = %(rb_inc)s RETURNING id), "
             f"ri AS (UPDATE {p}wq_items "
             "SET lease_until = clock_timestamp() + %(rb_lease)s * interval '1 second' "
             f"WHERE queue_id = %(q)s AND worker_id = (SELECT id FROM rw) AND state = '{CLAIMED}' "
@@ -126,17 +129,20 @@ class Renewal:
 
     def run(self, conn: Any, prefix: str, qid: int, worker_id: int, incarnation: str, tokens: Sequence[int],
             lease_seconds: float, max_item_seconds: Optional[float], buffered: int, *,
-            poll: bool = False, host: Optional[str] = None) -> Renewed:
+            poll: bool = False, host: Optional[str] = None, input_wait: Optional[float] = None) -> Renewed:
         """Renew, in the transaction open on ``conn`` (SQLite) or as one simple query that is its
         own transaction (Postgres, ``prefix`` first). ``poll``: the waiting take's poll rides
-        along; ``host``: count the live workers on that host too."""
+        along; ``host``: count the live workers on that host too; ``input_wait``: the worker's
+        waiting-on-data total to record (None: leave the row's as it is)."""
         return self._run(conn, prefix, qid, worker_id, incarnation, tokens, float(lease_seconds),
-                         None if max_item_seconds is None else float(max_item_seconds), buffered, poll, host)
+                         None if max_item_seconds is None else float(max_item_seconds), buffered, poll, host,
+                         input_wait)
 
     def _run_postgres(self, conn: Any, prefix: str, qid: int, worker_id: int, incarnation: str,
                       tokens: Sequence[int], lease: float, most: Optional[float], buffered: int, poll: bool,
-                      host: Optional[str]) -> Renewed:
-        params: list[Any] = [buffered, worker_id, incarnation, lease, qid, list(tokens), most, most]
+                      host: Optional[str], input_wait: Optional[float] = None) -> Renewed:
+        params: list[Any] = [buffered, input_wait, worker_id, incarnation, lease, qid, list(tokens), most,
+                             most]
         if host is not None:
             params += [qid, host]
         if poll:
@@ -156,10 +162,10 @@ class Renewal:
 
     def _run_sqlite(self, conn: Any, prefix: str, qid: int, worker_id: int, incarnation: str,
                     tokens: Sequence[int], lease: float, most: Optional[float], buffered: int, poll: bool,
-                    host: Optional[str]) -> Renewed:
+                    host: Optional[str], input_wait: Optional[float] = None) -> Renewed:
         params: tuple[Any, ...]
         cur = conn.cursor()
-        sql, params = self._worker, (buffered, worker_id, incarnation)
+        sql, params = self._worker, (buffered, input_wait, worker_id, incarnation)
         try:
             if not cur.execute(sql, params).fetchall():
                 return Renewed(False)
