@@ -22,6 +22,7 @@ from watch_support import (  # noqa: E402
     stop,
     wait_exhausted,
 )
+from worker_proc import query  # noqa: E402
 
 parser = pytest.importorskip("prometheus_client.parser")
 
@@ -146,12 +147,7 @@ def test_metrics_equal_sql_counts_while_workers_drain(db_url: str, tmp_path: Pat
         assert pick(final, "wq_sql_eta_seconds", queue="train") == 0
         # Their loops' waits for an item (watch_support measures them), as each worker's close wrote.
         waits = series(final, "wq_sql_worker_input_wait_seconds_total")
-        engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
-        try:
-            with engine.connect() as c:
-                written = dict(c.execute(sa.text("SELECT name, input_wait FROM wq_workers")).all())
-        finally:
-            engine.dispose()
+        written = dict(query(db_url, "SELECT name, input_wait FROM wq_workers"))
         assert {dict(k)["worker"]: v for k, v in waits.items()} == pytest.approx(written)
         assert all(v > 0 for v in written.values()), written
     finally:

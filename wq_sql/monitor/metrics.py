@@ -155,10 +155,9 @@ class QueueCollector(Collector):
             if share is not None:
                 waiting.add_metric([v.name], share)
                 worst.add_metric([v.name], waiters[0].input_wait_share or 0.0)
-            # Per worker: every one, or the stragglers' and the most waiting top k.
+            # Per worker: the workers shown, and the top k most waiting ones.
             named = {w.name for w in shown}
-            for w in v.workers if self.per_worker else shown + [w for w in waiters[:self.top_k]
-                                                                 if w.name not in named]:
+            for w in shown + [w for w in waiters[:self.top_k] if w.name not in named]:
                 if w.input_wait is not None:
                     w_wait.add_metric([v.name, w.name], w.input_wait)
             for w in shown:
