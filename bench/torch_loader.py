@@ -157,9 +157,10 @@ def throughput(a: argparse.Namespace) -> None:
                                                  records))
                 for consumed in a.consumed:
                     name = f"tp_{uuid.uuid4().hex[:8]}"
+                    mode, _, extra = consumed.partition("+")
                     ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,
-                                      lease_ahead=la, worker="bench", consumed=consumed)
-                    save_every = a.save_every if consumed == "checkpoint" else 0
+                                      lease_ahead=la, worker="bench", consumed=mode, lineage=extra == "lineage")
+                    save_every = a.save_every if mode == "checkpoint" else 0
                     with cpu_into(cpu[consumed]):
                         queue_s[consumed].append(timed_passes(DataLoader(ds, **workers), a.epochs, records,
                                                               save_every))
@@ -187,6 +188,11 @@ def throughput(a: argparse.Namespace) -> None:
             print(f"{la or 'auto':>11}  {consumed:>10}  {ms:>13.3f} s  {mq:>13.3f} s  {ms / mq:>5.2f}x  "
                   f"{bs / bq:>17.2f}x  {records * a.epochs / mq:>16,.0f}  "
                   f"{cs[0]:.0f}+{cs[1]:.0f} / {cq[0]:.0f}+{cq[1]:.0f}")
+        for la, consumed, _, mq, _, bq, _, _ in rows:
+            base = next((r for r in rows if r[0] == la and r[1] == consumed.partition("+")[0]), None)
+            if "+" in consumed and base is not None:
+                print(f"{consumed} against {base[1]} (lease_ahead {la or 'auto'}), same run: median "
+                      f"{base[3] / mq:.3f}x, best runs {base[5] / bq:.3f}x")
         if a.persistent:
             print("(persistent workers are reaped after the run: their CPU is not in the workers' column)")
 
@@ -391,7 +397,8 @@ def main() -> None:
     tp.add_argument("--floor", type=int, default=0, metavar="N",
                     help="also time DurableFloor: the static loader plus only the durable statements per "
                          "item (claim rounds of N, each marking the last round's items done), raw driver")
-    tp.add_argument("--consumed", choices=["trained", "checkpoint"], nargs="+", default=["trained"],
+    tp.add_argument("--consumed", choices=["trained", "checkpoint", "trained+lineage", "checkpoint+lineage"],
+                    nargs="+", default=["trained"],
                     help="both: each run measures them in turn (checkpoint mode's cost, same run)")
     tp.add_argument("--save-every", type=int, default=50, help="batches between state_dict() (checkpoint)")
     lt = sub.choices["long-tail"]

@@ -17,6 +17,7 @@ from wq_sql.admin import (
     quarantined,
     reset_queue,
     set_mix,
+    trace,
     unquarantine,
     upgrade,
 )
@@ -40,7 +41,7 @@ from wq_sql.sources import register_database, register_source
 __all__ = [
     "WorkQueue", "WorkItem", "Progress", "register_source", "register_database",
     "upgrade", "reset_queue", "drop_queue", "list_queues", "compact_queue", "extend_queue",
-    "set_mix", "mix_report", "quarantine", "unquarantine", "quarantined",
+    "set_mix", "mix_report", "quarantine", "unquarantine", "quarantined", "trace",
     "WqSqlError", "QueueExhausted", "QueueEmpty", "QueueConfigMismatch", "QueueNotFound",
     "DatabaseBusy", "DatabaseUnavailable", "SchemaOutdated", "WorkerConflict", "LeaseLost",
     "UnsafeDatabase", "InvalidInput",

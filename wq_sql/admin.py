@@ -25,6 +25,7 @@ from wq_sql.plan import (
     queue_spec,
 )
 from wq_sql.sources import plan_items
+from wq_sql.store import lineage as lineage_store
 from wq_sql.store import migrate, mixing, notify, statements
 from wq_sql.store import quarantine as quarantine_store
 from wq_sql.store.dialects import dialect_of
@@ -332,3 +333,101 @@ def compact_queue(name: str, url: Optional[str | URL] = None, schema: Optional[s
         epochs = [e for e in statements.finished_epochs(conn, row.id, row.n_works)
                   if e < row.epochs_created - 1]
         return statements.compact(conn, row.id, epochs, keep_events)
+
+
+def trace(name: str, *, step: Optional[int] = None, steps: Optional[range] = None,
+          checkpoint: Optional[int] = None, work: Optional[str] = None, worker: Optional[str] = None,
+          run: Optional[int] = None, url: Optional[str | URL] = None,
+          schema: Optional[str] = None) -> list[lineage_store.Traced]:
+    """The lineage rows of queue ``name`` (trained with ``lineage=True``): which items, and which
+    records of each (``first_record`` .. ``last_record``), the batches of training steps held,
+    in (worker, run, step) order and each step's rows in its batch's order. One of:
+
+    - ``step`` (or ``steps``, a ``range``): those steps of each rank (``worker``: of one), each in
+      the rank's latest run that recorded it (``run``: in that run);
+    - ``checkpoint``: every step that trained an item that the checkpoint at that global step
+      covered (``consumed="checkpoint"``);
+    - ``work``: every step that trained on the work (as stored, or as handed out with the
+      queue's prefix).
+
+    A step, worker, run, checkpoint or work with no lineage raises :class:`InvalidInput`
+    saying what was recorded."""
+    chosen = [k for k, v in (("step", step), ("steps", steps), ("checkpoint", checkpoint), ("work", work))
+              if v is not None]
+    if len(chosen) != 1:
+        raise InvalidInput("trace needs exactly one of step=, steps=, checkpoint= or work= "
+                           f"(got {', '.join(chosen) or 'none'})")
+    if step is not None:
+        steps = range(_whole("step", step), step + 1)
+    if steps is not None and (not isinstance(steps, range) or steps.step != 1 or len(steps) == 0
+                              or steps.start < 0):
+        raise InvalidInput(f"steps must be a non-empty range(a, b) with 0 <= a < b, got {steps!r}")
+    if run is not None:
+        _whole("run", run)
+    with _queue_read(name, url, schema) as (conn, row):
+        recorded = lineage_store.recorded(conn, row.id)
+        if not recorded:
+            raise InvalidInput(f"queue {row.name!r} holds no lineage: train with lineage=True "
+                               "(wq_sql.torch.QueueDataset, wq_sql.tf.WorkQueue) to record it")
+        if worker is not None and worker not in {r.worker for r in recorded}:
+            raise InvalidInput(f"worker {worker!r} recorded no lineage in queue {row.name!r}; "
+                               f"workers with lineage: {_workers_of(recorded)}")
+        mine = [r for r in recorded if worker is None or r.worker == worker]
+        if run is not None and run not in {r.run for r in mine}:
+            raise InvalidInput(f"run {run} recorded no lineage in queue {row.name!r}"
+                               f"{'' if worker is None else f' for worker {worker!r}'}; recorded: "
+                               f"{_described(mine)}")
+        if steps is not None:
+            found = lineage_store.traced(conn, row.id, worker=worker, run=run, steps_from=steps.start,
+                                         steps_to=steps.stop)
+            latest: dict[tuple[str, int], int] = {}
+            for t in found:  # each step of each rank: its latest run
+                latest[(t.worker, t.step)] = max(t.run, latest.get((t.worker, t.step), t.run))
+            found = [t for t in found if t.run == latest[(t.worker, t.step)]]
+            if not found:
+                what = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}..{steps.stop - 1}"
+                raise InvalidInput(f"{what} of queue {row.name!r} recorded no lineage; recorded: "
+                                   f"{_described([r for r in mine if run is None or r.run == run])}")
+            return found
+        if checkpoint is not None:
+            found = lineage_store.traced(conn, row.id, worker=worker, run=run,
+                                         checkpoint=_whole("checkpoint", checkpoint))
+            if not found:
+                saved = lineage_store.checkpoints_recorded(conn, row.id)
+                some = _listed(saved) if saved else "none (consumed='checkpoint' records them)"
+                raise InvalidInput(f"no item with lineage in queue {row.name!r} was covered by a checkpoint "
+                                   f"at step {checkpoint}; checkpoints that covered some: {some}")
+            return found
+        assert work is not None
+        check_text("work", work)
+        idxs = lineage_store.work_indexes(conn, row.id, work, row.prefix)
+        if not idxs:
+            raise InvalidInput(f"queue {row.name!r} has no work {work!r} (give it as stored, as "
+                               "wq-sql audit prints it, or as handed out with the queue's prefix)")
+        found = [t for i in idxs for t in lineage_store.traced(conn, row.id, worker=worker, run=run,
+                                                               work_idx=i)]
+        if not found:
+            whose = "" if worker is None else f"of worker {worker!r}, "
+            raise InvalidInput(f"work {work!r} of queue {row.name!r} is in no recorded step "
+                               f"({whose}recorded: {_described(mine)})")
+        return sorted(found, key=lambda t: (t.worker, t.run, t.step))
+
+
+def _whole(what: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidInput(f"{what} must be an int >= 0, got {n!r}")
+    return n
+
+
+def _listed(values: Sequence[object], most: int = 10) -> str:
+    shown = ", ".join(str(v) for v in values[:most])
+    return shown + (f", ... ({len(values)} in all)" if len(values) > most else "")
+
+
+def _workers_of(recorded: Sequence[lineage_store.Recorded]) -> str:
+    return _listed(sorted({r.worker for r in recorded}))
+
+
+def _described(recorded: Sequence[lineage_store.Recorded]) -> str:
+    return _listed([f"worker {r.worker!r} run {r.run} steps {r.first_step}..{r.last_step}" for r in recorded],
+                   most=6) or "nothing"

@@ -25,6 +25,9 @@
     wq-sql audit NAME [--format table|csv|json]
                                 who consumed what, re-deliveries, failures; exit 2 unless every done
                                 item was done exactly once
+    wq-sql trace NAME (--step N [--to M] | --checkpoint S | --work WORK) [--worker W] [--run R]
+                                lineage: the items and record ranges of a training step's batch,
+                                of what a checkpoint covered, or of every step on a work
     wq-sql requeue NAME (--failed | --expired | --worker W | --done) [--epoch E]
                                 put items back to pending, in one transaction
     wq-sql report NAME --out FILE.html|FILE.svg|FILE.png
@@ -743,6 +746,34 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    steps = None
+    if args.step is not None:
+        last = args.step if args.to is None else args.to
+        if last < args.step:
+            raise CliError(f"--to {args.to} comes before --step {args.step}: give the last step of the range")
+        steps = range(args.step, last + 1)
+    elif args.to is not None:
+        raise CliError("--to goes with --step N (the first step of the range)")
+    rows = admin.trace(args.name, steps=steps, checkpoint=args.checkpoint, work=args.work, worker=args.worker,
+                       run=args.run, url=_url(args), schema=args.schema)
+    if args.format == "json":
+        print(json.dumps([{k: v for k, v in t._asdict().items() if k not in ("bounds", "handed")}
+                          for t in rows], indent=2))
+        return 0
+    records = sum(t.last_record - t.first_record + 1 for t in rows)
+    batches = len({(t.worker, t.run, t.step) for t in rows})
+    print(f"queue {args.name!r}: {batches} step(s), {len(rows)} item range(s), {records} record(s)")
+    cut = _Cut()
+    print("\n".join(_table(["WORKER", "RUN", "STEP", "EPOCH", "SEQ", "RECORDS", "CHECKPOINT", "WORK"],
+                           [[t.worker, t.run, t.step, t.epoch, t.seq, f"{t.first_record}..{t.last_record}",
+                             t.checkpoint, cut(t.work)] for t in rows],
+                           [False, True, True, True, True, True, True, False])))
+    if cut.cut:
+        print("(works cut to one line: --format json prints them whole)")
+    return 0
+
+
 def _violation(v: dict[str, Any]) -> str:
     what = f"epoch {v['epoch']} seq {v['seq']}" + (f" ({_Cut()(v['work'])})" if v["work"] is not None else "")
     state = f"is {v['state']}" if v["state"] else "has no item row"
@@ -1061,6 +1092,22 @@ def _parser() -> argparse.ArgumentParser:
              f"(exit {AUDIT_FAILED} if it fails)")
     au.add_argument("name", metavar="NAME")
     au.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    tr = add("trace", cmd_trace, "lineage (trained with lineage=True): the items and record ranges of "
+             "a training step's batch, of the steps a checkpoint covered, or of the steps that trained "
+             "on a work")
+    tr.add_argument("name", metavar="NAME")
+    what = tr.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=int, metavar="N", help="step N of each rank (0-based: the batches "
+                      "its DataLoader yielded before it), in the rank's latest run that recorded it")
+    what.add_argument("--checkpoint", type=int, metavar="S",
+                      help="the steps that trained the items the checkpoint at global step S covered")
+    what.add_argument("--work", metavar="WORK", help="every step that trained on WORK (as stored, or as "
+                      "handed out with the queue's prefix)")
+    tr.add_argument("--to", type=int, metavar="M", help="with --step N: steps N to M (both included)")
+    tr.add_argument("--worker", metavar="W", help="one rank's identity (as wq-sql status lists them)")
+    tr.add_argument("--run", type=int, metavar="R", help="one run of the rank (its starts and restores "
+                    "are numbered from 1)")
+    tr.add_argument("--format", choices=["table", "json"], default="table")
     rq = add("requeue", cmd_requeue, "put items back to pending in one transaction, reporting how many")
     rq.add_argument("name", metavar="NAME")
     which = rq.add_mutually_exclusive_group(required=True)

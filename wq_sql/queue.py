@@ -29,10 +29,12 @@ from wq_sql.plan import (
     queue_spec,
 )
 from wq_sql.sources import read_slice
+from wq_sql.store import lineage as lineage_store
 from wq_sql.store import statements
 from wq_sql.store.db import LOCK_SLICE, Db
 from wq_sql.store.engine import keep_for_children, resolve_url, worker_engine
 from wq_sql.store.hot import HotPath
+from wq_sql.store.lineage import Steps
 from wq_sql.store.migrate import ensure_schema
 from wq_sql.store.redact import safe_url
 from wq_sql.worker import process
@@ -514,21 +516,31 @@ class WorkQueue:
         self._ensure_process()
         return self._outcomes.still_held(items)
 
-    def complete_handed(self, handed: Mapping[int, Sequence[Handout]]) -> list[Handout]:
+    def complete_handed(self, handed: Mapping[int, Sequence[Handout]],
+                        steps: Optional[Steps] = None) -> list[Handout]:
         """Mark done, in one transaction, items that other workers of this queue claimed and handed
         to this process: ``{holder: items}``, each holder by its :attr:`worker_id`, each item the
         ``WorkItem`` or its ``item.key``, ``(id, token)`` (what a process that never holds the
         items needs, and the cheapest to send it). Fenced by ``(id, token)`` like :meth:`complete`;
         the events and counters name the holder. Returns the items (or keys) whose lease was lost
-        (another worker holds or finished them), logged, not raised."""
+        (another worker holds or finished them), logged, not raised. ``steps``: lineage rows
+        (``wq_steps``) written in the same transaction (the shims' ``lineage=True``)."""
         self._ensure_process()
-        return self._outcomes.complete_handed(handed)
+        return self._outcomes.complete_handed(handed, steps)
 
-    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]]) -> list[WorkItem]:
+    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]],
+                     steps: Optional[Steps] = None) -> list[WorkItem]:
         """Hold items other workers handed to this process (``{holder: items}``) under this worker until
-        :meth:`cover` or ``close()``; fenced by ``(id, token)``. Returns the items whose lease was lost."""
+        :meth:`cover` or ``close()``; fenced by ``(id, token)``. Returns the items whose lease was lost.
+        ``steps``: as for :meth:`complete_handed`."""
         self._ensure_process()
-        return self._outcomes.adopt_handed(handed, self._opts.lease_seconds)
+        return self._outcomes.adopt_handed(handed, self._opts.lease_seconds, steps)
+
+    def next_lineage_run(self) -> int:
+        """The run number for this worker's next lineage rows: one more than its last in the
+        queue (1 for the first)."""
+        self._ensure_process()
+        return int(self._db.tx(lambda c: lineage_store.next_run(c, self._qid, self.worker), read=True))
 
     # ------------------------------------------------------------------ progress and lifecycle
 

@@ -167,7 +167,7 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
     # Sanity: the snapshot sees what matters, so equality below means something.
     tables = migrated["tables"]
     assert set(tables) == {"wq_queues", "wq_works", "wq_workers", "wq_items", "wq_tallies", "wq_events",
-                           "wq_checkpoints", "wq_sources", "wq_mixes", "wq_quarantine"}
+                           "wq_checkpoints", "wq_sources", "wq_mixes", "wq_quarantine", "wq_steps"}
     assert [c[0] for c in tables["wq_checkpoints"]["checks"]] == ["ck_wq_checkpoints_action"]
     ix = {i[0]: i for i in tables["wq_items"]["indexes"]}
     assert ix["ix_wq_items_pending"][1:] == (("queue_id", "epoch", "seq"), False, "state='pending'")
@@ -185,6 +185,9 @@ def test_reflected_schema_matches_create_all(empty_db_url: str, other_empty_db_u
         "last_error", "item_id", "source"]
     assert [c[0] for c in migrated["views"]["wq_history"]["columns"]] == [
         "queue", "epoch", "seq", "kind", "worker", "at", "detail", "item_id", "event_id", "source"]
+    assert [c[0] for c in migrated["views"]["wq_lineage"]["columns"]] == [
+        "queue", "run", "worker", "step", "part", "epoch", "seq", "work", "first_record", "last_record",
+        "checkpoint", "item_id"]
 
     for name in tables:
         for part in ("columns", "pk", "fks", "indexes", "uniques", "checks"):

@@ -89,9 +89,9 @@ def test_acknowledgements_in_the_background(db_url: str, tmp_path: Path,
     real = WorkQueue.complete_handed
     threads: set[str] = set()
 
-    def spy(self: WorkQueue, handed: Any) -> Any:
+    def spy(self: WorkQueue, handed: Any, steps: Any = None) -> Any:
         threads.add(threading.current_thread().name)
-        return real(self, handed)
+        return real(self, handed, steps)
 
     monkeypatch.setattr(WorkQueue, "complete_handed", spy)
     files, lines = write_files(tmp_path / "data", 30, 4)
@@ -101,7 +101,7 @@ def test_acknowledgements_in_the_background(db_url: str, tmp_path: Path,
     assert sql(db_url, "SELECT count(*) FROM wq_audit WHERE queue = 'bg' AND state = 'done'") == [(30,)]
     assert any(name.startswith("wq_sql-acks") for name in threads), threads
 
-    def broken(self: WorkQueue, handed: Any) -> Any:
+    def broken(self: WorkQueue, handed: Any, steps: Any = None) -> Any:
         raise RuntimeError("the database went away")
 
     monkeypatch.setattr(WorkQueue, "complete_handed", broken)

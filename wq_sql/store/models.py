@@ -323,6 +323,27 @@ class CheckpointRecord(Base):
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime)
 
 
+class StepRecord(Base):
+    """Lineage (``lineage=True`` in the shims): one row per training step of a rank and item the
+    step's batch held, with the range of the item's records it held (``first_record`` ..
+    ``last_record``, 0-based positions in what the reader yields for the item, both included).
+    ``worker`` is the rank's identity; ``run`` counts the rank's trainer-side starts and
+    restores (a restored checkpoint numbers its steps again from the state's step)."""
+
+    __tablename__ = "wq_steps"
+    __table_args__ = (Index("ix_wq_steps_item", "item_id"),)
+
+    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
+    worker: Mapped[str] = mapped_column(String(200), primary_key=True)
+    run: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    # The row's place in the step's batch: its records come after those of parts 0 .. part - 1.
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    item_id: Mapped[int] = mapped_column(BigInteger)
+    first_record: Mapped[int] = mapped_column(BigInteger)
+    last_record: Mapped[int] = mapped_column(BigInteger)
+
+
 # Stable, documented views for auditors. Plain SQL, identical on both backends.
 AUDIT_VIEW = "wq_audit"
 AUDIT_VIEW_SQL = """
@@ -377,7 +398,21 @@ WHERE i.state = 'claimed'
                 AND p.item_id = i.id ORDER BY p.id DESC LIMIT 1), '') <> 'recover'
 """
 
-VIEWS = {AUDIT_VIEW: AUDIT_VIEW_SQL, EVENTS_VIEW: EVENTS_VIEW_SQL}
+LINEAGE_VIEW = "wq_lineage"
+# One row per (step, item) of ``wq_steps``, with the item's epoch, seq and work and the step of
+# the checkpoint that made it done (consumed="checkpoint"; NULL otherwise). Rows of items
+# compacted away (``wq-sql compact``) go with them.
+LINEAGE_VIEW_SQL = """
+SELECT q.name AS queue, l.run AS run, l.worker AS worker, l.step AS step, l.part AS part,
+       i.epoch AS epoch, i.seq AS seq, w.work AS work, l.first_record AS first_record,
+       l.last_record AS last_record, i.ckpt_step AS checkpoint, l.item_id AS item_id
+FROM {s}wq_steps l
+JOIN {s}wq_queues q ON q.id = l.queue_id
+JOIN {s}wq_items i ON i.id = l.item_id
+JOIN {s}wq_works w ON w.queue_id = i.queue_id AND w.idx = i.work_idx
+"""
+
+VIEWS = {AUDIT_VIEW: AUDIT_VIEW_SQL, EVENTS_VIEW: EVENTS_VIEW_SQL, LINEAGE_VIEW: LINEAGE_VIEW_SQL}
 
 
 def create_view_sql(name: str, schema: Optional[str] = None) -> str:

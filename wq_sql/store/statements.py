@@ -69,7 +69,7 @@ from wq_sql.states import (
 )
 from wq_sql.store import accounting, mixing, quarantine
 from wq_sql.store.dialects import SQLITE_NOW, Dialect, dialect_of, qualifier
-from wq_sql.store.models import CheckpointRecord, Event, Item, Queue, Tally, Work, Worker
+from wq_sql.store.models import CheckpointRecord, Event, Item, Queue, StepRecord, Tally, Work, Worker
 
 items = cast(Table, Item.__table__)
 queues = cast(Table, Queue.__table__)
@@ -78,6 +78,7 @@ workers = cast(Table, Worker.__table__)
 tallies = cast(Table, Tally.__table__)
 events = cast(Table, Event.__table__)
 checkpoints = cast(Table, CheckpointRecord.__table__)
+steps = cast(Table, StepRecord.__table__)
 
 INSERT_CHUNK = 10_000
 EPOCH_CHUNK = 1_000_000  # item rows per INSERT ... SELECT of an epoch
@@ -575,8 +576,9 @@ def all_queues(conn: Connection) -> list[Any]:
 
 
 def reset_queue(conn: Connection, qid: int, n_works: int, shuffle: bool, seed: int) -> None:
-    """Start a queue over at epoch 0: its items, history, counters, workers and checkpoints go."""
-    for table in (items, events, tallies, workers, checkpoints):
+    """Start a queue over at epoch 0: its items, history, counters, workers, checkpoints and
+    lineage go."""
+    for table in (items, events, tallies, workers, checkpoints, steps):
         conn.execute(delete(table).where(table.c.queue_id == qid))
     conn.execute(update(queues).where(queues.c.id == qid).values(epochs_created=1))
     srcs = mixing.reset_streams(conn, qid)
@@ -590,8 +592,8 @@ def reset_queue(conn: Connection, qid: int, n_works: int, shuffle: bool, seed: i
 def drop_queue(conn: Connection, qid: int) -> None:
     """Delete a queue and everything it holds. Children first: SQLite only cascades with
     ``foreign_keys=ON``, which other tools may not set."""
-    for table in (items, events, tallies, workers, works_t, checkpoints, mixing.sources_t, mixing.mixes,
-                  quarantine.quarantine_t):
+    for table in (items, events, tallies, workers, works_t, checkpoints, steps, mixing.sources_t,
+                  mixing.mixes, quarantine.quarantine_t):
         conn.execute(delete(table).where(table.c.queue_id == qid))
     conn.execute(delete(queues).where(queues.c.id == qid))
 
@@ -724,8 +726,8 @@ def compacted_epochs(conn: Connection, qid: int, per_epoch: int, created: int) -
 
 
 def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool) -> int:
-    """Delete the ``done`` item rows of finished ``epochs`` (and their events unless
-    ``keep_events``). Failed items and their events stay; ``wq_tallies`` keeps the per-epoch,
+    """Delete the ``done`` item rows of finished ``epochs``, with their lineage rows (and their
+    events unless ``keep_events``). Failed items and their events stay; ``wq_tallies`` keeps the per-epoch,
     per-worker counts. Returns the number of item rows deleted."""
     from sqlalchemy import delete
 
@@ -736,6 +738,8 @@ def compact(conn: Connection, qid: int, epochs: Sequence[int], keep_events: bool
         failed_ids = select(items.c.id).where(*in_epochs, items.c.state == FAILED)
         conn.execute(delete(events).where(events.c.queue_id == qid, events.c.epoch.in_(list(epochs)),
                                           events.c.item_id.not_in(failed_ids)))
+    done_ids = select(items.c.id).where(*in_epochs, items.c.state == DONE)
+    conn.execute(delete(steps).where(steps.c.queue_id == qid, steps.c.item_id.in_(done_ids)))
     return conn.execute(delete(items).where(*in_epochs, items.c.state == DONE)).rowcount
 
 

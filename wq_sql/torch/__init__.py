@@ -71,9 +71,10 @@ from typing import Any
 from wq_sql.torch.claiming import rank_name
 from wq_sql.torch.dataset import QueueDataset
 from wq_sql.torch.loader import DataLoader
+from wq_sql.torch.replay import ReplayDataset
 from wq_sql.torch.sampler import QueueSampler
 
-__all__ = ["QueueDataset", "QueueSampler", "DataLoader", "StatefulDataLoader", "rank_name"]
+__all__ = ["QueueDataset", "QueueSampler", "DataLoader", "ReplayDataset", "StatefulDataLoader", "rank_name"]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,18 +20,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional
 
 from wq_sql.queue import WorkQueue
-from wq_sql.torch.claiming import Notes, QueueConfig
+from wq_sql.store.lineage import Steps
+from wq_sql.torch.claiming import Lineage, Notes, QueueConfig
 from wq_sql.worker.checkpoints import Ledger, Mark
 
 log = logging.getLogger("wq_sql")
 
 ACK_SECONDS = 0.2  # the trainer side sends its acknowledgements at most this often (and at pass ends)
-ACK_ITEMS = 4096  # ... or when this many are waiting
+ACK_ITEMS = 4096  # ... or when this many are waiting (items, and lineage rows)
 """The items whose last record went into one batch, as ``consumed="trained"`` sends them to the
 trainer: who claimed them (a ``WorkQueue.worker_id``) then each one's ``(id, token)``, flat:
 ``(holder, id, token, id, token, ...)``, ``()`` for none. All the acknowledgement needs, and the
 cheapest to pickle: a batch's ``Handed`` objects (two per item, with the work string twice)
 cost more to pickle and to load, every batch."""
+StepNote = tuple[int, Lineage]  # a training step's number and its batch's lineage
 
 
 class Acks:
@@ -44,11 +46,16 @@ class Acks:
         # this process's DataLoaders trained it (a restore gives all of it back).
         self.ledger: Optional[Ledger] = _ledgers.setdefault(queue, Ledger()) if checkpoint else None
         self.current: Notes = ()  # the batch yielded last: its training step is not over
+        self.current_steps: Optional[StepNote] = None  # and its lineage, with lineage on
         self.saving: Optional[tuple[int, Mark]] = None  # a save point whose checkpoint is being saved
         # Trained, not yet sent: Keys per batch (consumed="trained", grouped by the sender, off
         # the training loop's thread), else Handed per item; and how many items that is.
         self._due: list[Any] = []
         self._due_n = 0
+        # Lineage of the batches trained, not yet sent, and the run its rows go under (the rank's
+        # next one, asked for at the first send; a restore starts a new one).
+        self._steps_due: list[StepNote] = []
+        self._run: Optional[int] = None
         self._sent = time.monotonic()
         self.acknowledged = 0
         # consumed="trained": a pass's periodic acknowledgements, sent by one background thread
@@ -58,15 +65,21 @@ class Acks:
         if checkpoint:
             _at_exit_saved()
 
-    def yielded(self, handed: Notes) -> None:
-        """A new batch is handed to the training loop: the step of the one before is over."""
+    def yielded(self, handed: Notes, steps: Optional[StepNote] = None) -> None:
+        """A new batch is handed to the training loop: the step of the one before is over.
+        ``steps``: the new batch's step and lineage, with lineage on."""
         last, self.current = self.current, handed
-        self.trained(last)
+        last_steps, self.current_steps = self.current_steps, steps
+        self.trained(last, last_steps)
 
-    def trained(self, handed: Notes) -> None:
+    def trained(self, handed: Notes, steps: Optional[StepNote] = None) -> None:
         """The training step of the batch that carried these items is over. Checkpoint mode
         takes them over only at save points and pass ends (or ``ACK_ITEMS`` at a time): until
-        then the loaders that read them hold and renew them, and a crash returns them the same."""
+        then the loaders that read them hold and renew them, and a crash returns them the same.
+        ``steps``: that step's lineage, sent with the acknowledgements."""
+        if steps is not None:
+            self._steps_due.append(steps)
+            self._due_n += len(steps[1]) // 3
         if handed:
             if isinstance(handed, tuple):
                 self._due.append(handed)
@@ -76,7 +89,7 @@ class Acks:
                 self._due_n += len(handed)
         while self._sending and self._sending[0].done():
             self._sending.popleft().result()  # a background acknowledgement's error, if any
-        if self._due and (self._due_n >= ACK_ITEMS
+        if (self._due or self._steps_due) and (self._due_n >= ACK_ITEMS
                           or (self.ledger is None and time.monotonic() - self._sent >= ACK_SECONDS)):
             if self.ledger is None:
                 self._send_soon()
@@ -90,9 +103,10 @@ class Acks:
         end or break) waits for them; an error is raised by the next call here or there."""
         self._sent = time.monotonic()
         due, self._due, self._due_n = self._due, [], 0
+        steps, self._steps_due = self._steps_due, []
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wq_sql-acks")
-        self._sending.append(self._sender.submit(self._send, due))
+        self._sending.append(self._sender.submit(self._send, due, steps))
 
     def flush(self) -> None:
         """Mark done now what the trainer consumed (checkpoint mode: hold it, for the ledger),
@@ -100,13 +114,26 @@ class Acks:
         while self._sending:
             self._sending.popleft().result()
         self._sent = time.monotonic()
-        if not self._due:
+        if not self._due and not self._steps_due:
             return
         due, self._due, self._due_n = self._due, [], 0
-        self._send(due)
+        steps, self._steps_due = self._steps_due, []
+        self._send(due, steps)
 
-    def _send(self, due: list[Any]) -> None:
-        """``due``: what :meth:`trained` gathered, Keys per batch or Handed per item."""
+    def _lineage(self, notes: list[StepNote]) -> Optional[Steps]:
+        """The rows of ``notes`` (a step's lineage each) under this rank's run."""
+        if not notes:
+            return None
+        if self._run is None:
+            self._run = self.queue.next_lineage_run()
+        rows = [(step, k // 3, flat[k], flat[k + 1], flat[k + 2])
+                for step, flat in notes for k in range(0, len(flat), 3)]
+        return Steps(self.queue.worker, self._run, rows)
+
+    def _send(self, due: list[Any], notes: list[StepNote]) -> None:
+        """``due``: what :meth:`trained` gathered, Keys per batch or Handed per item; ``notes``:
+        the lineage of the steps trained, written in the same transaction."""
+        steps = self._lineage(notes)
         by_holder: dict[int, list[Any]] = defaultdict(list)
         n = 0
         for note in due:
@@ -118,9 +145,9 @@ class Acks:
                 by_holder[note.holder].append(note.item)
                 n += 1
         if self.ledger is None:
-            self.acknowledged += n - len(self.queue.complete_handed(by_holder))
+            self.acknowledged += n - len(self.queue.complete_handed(by_holder, steps))
         else:
-            lost = self.queue.adopt_handed(by_holder)
+            lost = self.queue.adopt_handed(by_holder, steps)
             gone = {id(i) for i in lost}
             self.ledger.finish(self.ledger.start(), [h.item for h in due if id(h.item) not in gone])
             self.acknowledged += n - len(lost)
@@ -131,8 +158,7 @@ class Acks:
         ids of the items the save covers (the state keeps them: see :meth:`restore`) and the
         queue's event mark at the save (``WorkQueue.reopen_after``'s ``since``)."""
         assert self.ledger is not None
-        self.trained(self.current)
-        self.current = ()
+        self.yielded(())
         self.flush()
         mark = self.ledger.mark()
         self.saving = (step, mark)
@@ -164,9 +190,9 @@ class Acks:
         assert self.ledger is not None
         self.saving = None
         _save_points.discard(self)
-        self.trained(self.current)
-        self.current = ()
+        self.yielded(())
         self.flush()
+        self._run = None  # the restored model's steps are numbered again: a new run of lineage
         me = self.queue.worker
         other = writer if writer is not None and writer != me else None
         n = self.queue.reopen_after(step, writer=other, departed=[(d.worker, d.step) for d in departed],

@@ -139,6 +139,9 @@ class Handed:
 
 
 Notes = Union[Keys, list[Handed]]  # what one batch carries to the trainer (Loader.drain)
+Lineage = tuple[int, ...]
+"""Lineage of one batch (``Loader.take_lineage``): ``(item id, first record, last record, ...)``
+flat, in the order the batch holds them."""
 
 
 class Loader:
@@ -154,7 +157,7 @@ class Loader:
     and renewed meanwhile); leaving the process gives them back (:meth:`close`)."""
 
     def __init__(self, config: QueueConfig, worker: str, complete_read: bool = False,
-                 keys: bool = False) -> None:
+                 keys: bool = False, lineage: bool = False) -> None:
         self.queue = config.open(worker, auto_complete=complete_read, inline=not complete_read)
         # Claim rounds in a background thread (the refill thread, kicked after each hand-out) only
         # where a round waits for a server (Postgres), which the reading then overlaps. On SQLite
@@ -181,6 +184,11 @@ class Loader:
         self._pending: list[WorkItem] = []  # every record handed to the DataLoader, not yet in a batch
         self._handed: list[WorkItem] = []  # in a batch, maybe not yet acknowledged by the trainer
         self._last_seq: dict[int, int] = {}  # highest seq taken per epoch: bounds the claim size
+        # Lineage: the items whose records went to the DataLoader and are not all in a batch yet,
+        # in the order they were read, each [item id, records in batches, records (None: being
+        # read, count unknown)] (see take_lineage).
+        self.lineage = lineage
+        self._segments: deque[list[Any]] = deque()
         self._pruned = time.monotonic()
         _at_exit()
         _open.add(self)
@@ -215,6 +223,7 @@ class Loader:
         self.ended = False
         self.delivered = 0
         self.beyond = None
+        self._segments.clear()  # records not in a batch were dropped (drop_last) or are read again
 
     def next_item(self) -> Optional[WorkItem]:
         """The next item of this pass, or ``None`` at its end."""
@@ -289,9 +298,17 @@ class Loader:
             return q.lease_ahead
         return max(1, min(q.lease_ahead, q.items_per_epoch - 1 - self._last_seq[self.epoch_limit]))
 
-    def read_out(self, item: WorkItem) -> None:
+    def begin(self, item: WorkItem, records: Optional[int]) -> None:
+        """Lineage: the records of ``item`` go to the DataLoader next (``records``: how many, if
+        known now; else :meth:`read_out` says)."""
+        self._segments.append([item.item_id, 0, records])
+
+    def read_out(self, item: WorkItem, records: Optional[int] = None) -> None:
         """Every record of ``item`` was handed to the DataLoader (call it before yielding the last
-        one, so that the batch that holds it carries the item)."""
+        one, so that the batch that holds it carries the item); ``records``: how many, for
+        lineage, if :meth:`begin` did not know."""
+        if records is not None and self._segments and self._segments[-1][2] is None:
+            self._segments[-1][2] = records
         self._current = None
         self.delivered += 1
         if not self.complete_read:
@@ -299,6 +316,8 @@ class Loader:
 
     def empty(self, item: WorkItem) -> None:
         """``item`` has no record: nothing for the trainer to wait for, so it is done now."""
+        if self._segments and self._segments[-1][0] == item.item_id and self._segments[-1][2] is None:
+            self._segments.pop()
         self._current = None
         self.delivered += 1
         if not self.complete_read:
@@ -330,6 +349,26 @@ class Loader:
         if self.keys:
             return (holder, *chain.from_iterable((i.item_id, i.token) for i in out))
         return [Handed(holder, i) for i in out]
+
+    def take_lineage(self, n: int) -> Lineage:
+        """Lineage: the batch being made holds the next ``n`` records handed to the DataLoader
+        (it takes them in order, from this process's stream): which items and record ranges."""
+        out: list[int] = []
+        segments = self._segments
+        while n > 0 and segments:
+            seg = segments[0]
+            item_id, done, total = seg
+            k = n if total is None else min(n, total - done)  # the last segment may be being read
+            out += (item_id, done, done + k - 1)
+            seg[1] = done + k
+            n -= k
+            if total is not None and seg[1] >= total:
+                segments.popleft()
+        if n > 0:
+            raise RuntimeError(f"wq_sql lineage: a batch holds {n} record(s) more than this loader handed "
+                               "to the DataLoader; lineage needs the dataset's records batched as they are "
+                               "yielded (no sampler, no dataset wrapper that drops or adds records)")
+        return tuple(out)
 
     def close(self) -> None:
         """The process is leaving (or the dataset is closed): the items in batches stay claimed

@@ -20,6 +20,7 @@ from wq_sql.store.engine import resolve_url
 from wq_sql.store.redact import safe_url
 from wq_sql.torch.acks import close_main_queue, give_back_recovered, main_queue
 from wq_sql.torch.claiming import (
+    Lineage,
     Loader,
     Notes,
     QueueConfig,
@@ -74,6 +75,7 @@ class QueuePasses:
         self._loader: Optional[Loader] = None  # this process's, made by its first pass
         self._loader_pid = 0
         self._trainer_acks = False  # a wq_sql.torch.DataLoader acknowledges for the trainer
+        self.lineage = False  # QueueDataset(lineage=True): batches record their items' record ranges
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -125,10 +127,13 @@ class QueuePasses:
                 "which tells the queue what the training loop consumed; with another loader, pass "
                 "consumed='taken' (DeepRec's rule: an item is done when the loader takes the next one, "
                 "so a crash loses what the loader read ahead)")
+        if self.lineage and not self._trainer_acks:
+            raise InvalidInput("lineage=True needs wq_sql.torch.DataLoader, which numbers the training "
+                               "steps and records each batch's items with its acknowledgements")
         if self._loader is None or self._loader_pid != os.getpid():
             taken = self.consumed == "taken"
             self._loader = Loader(self.config, f"{self.worker}/{role}", complete_read=taken,
-                                  keys=self.consumed == "trained")
+                                  keys=self.consumed == "trained", lineage=self.lineage)
             self._loader_pid = os.getpid()
         self._loader.start(self._epoch_limit())
         return self._loader
@@ -146,6 +151,13 @@ class QueuePasses:
         if self._loader is None or self._loader_pid != os.getpid():
             return ()
         return self._loader.drain()
+
+    def take_lineage(self, n: int) -> Lineage:
+        """For the batch being made in this process, of ``n`` records: which items and record
+        ranges it holds (``Loader.take_lineage``)."""
+        if self._loader is None or self._loader_pid != os.getpid():
+            return ()
+        return self._loader.take_lineage(n)
 
     def _warn_epoch(self, loader: Loader) -> None:
         if loader.delivered == 0 and loader.beyond is not None:
@@ -209,6 +221,11 @@ class QueueDataset(QueuePasses, IterableDataset):
     - ``worker``: this rank's identity; default from ``$WQ_SQL_WORKER``,
       ``$TORCHELASTIC_RUN_ID`` and ``$RANK`` (see :func:`wq_sql.torch.rank_name`). DataLoader
       worker ``k`` is ``<worker>/loader<k>``, so a restarted rank gets its items back first.
+    - ``lineage``: record, for each training step of this rank, which items and record ranges
+      its batch held (``wq_lineage``; ``wq-sql trace``; :class:`~wq_sql.torch.ReplayDataset`
+      feeds a run's batches again), written with the acknowledgements. Needs
+      :class:`~wq_sql.torch.DataLoader` and a reader that yields the same records for an item
+      each time it reads it.
     - ``lease_ahead``: items a loader claims per round trip; by default (``None``) the core sizes
       it from the loader's own time per item, smaller near the end while other workers share
       the queue (:class:`wq_sql.worker.sizing.Sizer`, as for the TF shim); a number fixes it.
@@ -224,7 +241,7 @@ class QueueDataset(QueuePasses, IterableDataset):
                  name: str = "work_queue", *, url: Any = None, read: Union[None, str, Reader] = None,
                  read_options: Optional[dict[str, Any]] = None, epochs: str = "each",
                  consumed: str = "trained", worker: Optional[str] = None, lease_ahead: Optional[int] = None,
-                 schema: Optional[str] = None, **options: Any) -> None:
+                 schema: Optional[str] = None, lineage: bool = False, **options: Any) -> None:
         if read is not None and read != "source" and not callable(read):
             raise InvalidInput(f"read must be None, 'source' or a function item -> records, got {read!r}")
         if read_options and read != "source":
@@ -234,6 +251,9 @@ class QueueDataset(QueuePasses, IterableDataset):
         super().__init__(works, num_epochs, shuffle, seed, prefix, num_slices, name, url=url, worker=worker,
                          epochs=epochs, consumed=consumed, lease_ahead=lease_ahead, schema=schema,
                          options=options)
+        if not isinstance(lineage, bool):
+            raise InvalidInput(f"lineage must be True or False, got {lineage!r}")
+        self.lineage = lineage
         # Each forked DataLoader worker opens the queue on an engine made here (no connection).
         self.config.prepare_children()
 
@@ -242,6 +262,7 @@ class QueueDataset(QueuePasses, IterableDataset):
         if info is not None:
             _freeze_inherited_heap()
         loader = self.start_pass(f"loader{info.id if info is not None else 0}")
+        lineage = self.lineage
         # Abandoned (break, a new iter(loader)): the loader keeps the item being read and the
         # records not yet in a batch for its next pass.
         while True:
@@ -249,19 +270,26 @@ class QueueDataset(QueuePasses, IterableDataset):
             if item is None:
                 break
             last = _NOTHING
+            count: Optional[int] = None
             try:
                 records = self._records(loader, item)
                 if isinstance(records, (list, tuple)):
                     # A sequence (what most readers return): its last record is known without
                     # looking ahead, so the others go out with no Python work per record.
                     if records:
+                        if lineage:
+                            loader.begin(item, len(records))
                         last = records[-1]
                         yield from islice(records, len(records) - 1)
                 else:
+                    if lineage:
+                        loader.begin(item, None)
+                    count = 0
                     for record in records:
                         if last is not _NOTHING:
                             yield last
                         last = record
+                        count += 1
             except GeneratorExit:
                 raise
             except BaseException as e:
@@ -270,7 +298,7 @@ class QueueDataset(QueuePasses, IterableDataset):
             if last is _NOTHING:
                 loader.empty(item)
                 continue
-            loader.read_out(item)  # before the yield: the batch that takes the last record carries it
+            loader.read_out(item, count)  # before the yield: the batch that takes the last record carries it
             yield last
         self._warn_epoch(loader)
 

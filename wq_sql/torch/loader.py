@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, default_collate, default_convert
 
 from wq_sql.errors import InvalidInput
 from wq_sql.torch.acks import Acks, Restored, give_back_recovered, main_queue
-from wq_sql.torch.claiming import Notes
+from wq_sql.torch.claiming import Lineage, Notes
 from wq_sql.torch.dataset import QueueDataset, QueuePasses
 from wq_sql.torch.sampler import QueueSampler
 from wq_sql.torch.state import STATE_VERSION, LoaderState, parse, rank_of_job, staying_ranks
@@ -35,7 +35,7 @@ class QueueLoading:
             passes = dataset
             if collate_fn is None:
                 collate_fn = default_collate if batch_size is not None else default_convert
-            collate_fn = _Collate(collate_fn, dataset)
+            collate_fn = _Collate(collate_fn, dataset, batched=batch_size is not None)
         elif isinstance(sampler, QueueSampler):
             passes = sampler
             if kwargs.get("in_order", True) is not True:
@@ -102,15 +102,16 @@ class QueueLoading:
         asked = time.perf_counter()
         try:
             for raw in batches:
+                lineage = None
                 if isinstance(raw, _Batch):
-                    data, handed = raw.data, raw.handed
+                    data, handed, lineage = raw.data, raw.handed, raw.lineage
                 elif self._tagged is None:  # a batch that ends no item travels bare (_Collate)
                     data, handed = raw, ()
                 else:
                     if tags is None:
                         tags = self._tagged.tags
                     data, handed = raw, tags.popleft()
-                acks.yielded(handed)
+                acks.yielded(handed, None if lineage is None else (self._step, lineage))
                 self._step += 1
                 add_wait(time.perf_counter() - asked)
                 yield data
@@ -232,38 +233,43 @@ class DataLoader(QueueLoading, torch.utils.data.DataLoader):  # type: ignore[mis
 
 
 class _Batch:
-    """A batch as it travels from a DataLoader worker to the main process: the collated data and
-    the items whose last record it holds."""
+    """A batch as it travels from a DataLoader worker to the main process: the collated data,
+    the items whose last record it holds and, with lineage, the items and record ranges it
+    holds."""
 
-    __slots__ = ("data", "handed")
+    __slots__ = ("data", "handed", "lineage")
 
-    def __init__(self, data: Any, handed: Notes) -> None:
-        self.data, self.handed = data, handed
+    def __init__(self, data: Any, handed: Notes, lineage: Optional[Lineage] = None) -> None:
+        self.data, self.handed, self.lineage = data, handed, lineage
 
     def __reduce__(self) -> Any:
         # Positional: the default state of a __slots__ class pickles as a dict of slot names,
         # dearer each way, every batch.
-        return (_Batch, (self.data, self.handed))
+        return (_Batch, (self.data, self.handed, self.lineage))
 
     def pin_memory(self, device: Any = None) -> _Batch:
         """``pin_memory=True``: torch's pin-memory thread calls this for objects it does not know."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return _Batch(pin_memory(self.data, device), self.handed)
+        return _Batch(pin_memory(self.data, device), self.handed, self.lineage)
 
 
 class _Collate:
     """Runs in the process that makes the batch: the user's collate function, then the items
     whose last record went into this batch (the loader side's ``Loader.drain``), wrapped with it in
     a :class:`_Batch`; a batch that ends no item goes as the collated data alone (with 1,000-record
-    files and batches of 256, three batches in four: less to pickle and load per batch)."""
+    files and batches of 256, three batches in four: less to pickle and load per batch), unless
+    lineage is on: every batch then carries its items' record ranges (``Loader.take_lineage``:
+    the batch's samples are the next ones this process's dataset iterator yielded)."""
 
-    def __init__(self, fn: Callable[[Any], Any], passes: QueuePasses) -> None:
-        self.fn, self.passes = fn, passes
+    def __init__(self, fn: Callable[[Any], Any], passes: QueuePasses, batched: bool = True) -> None:
+        self.fn, self.passes, self.batched = fn, passes, batched
 
     def __call__(self, data: Any) -> Any:
         batch = self.fn(data)
         handed = self.passes.drain()
+        if self.passes.lineage:
+            return _Batch(batch, handed, self.passes.take_lineage(len(data) if self.batched else 1))
         return _Batch(batch, handed) if handed else batch
 
 

@@ -33,6 +33,12 @@ class WorkItem(str):
         self.item_id, self.token, self.attempts = claimed.id, claimed.token, claimed.attempts
         return self
 
+    @classmethod
+    def stored(cls, value: str, work: str, epoch: int, seq: int, item_id: int) -> WorkItem:
+        """The item with id ``item_id`` as a reader sees it, outside any hand-out (token 0):
+        what replay gives the run's reader."""
+        return _work_item(value, work, epoch, seq, item_id, 0, 0)
+
     @property
     def key(self) -> tuple[int, int]:
         return (self.item_id, self.token)

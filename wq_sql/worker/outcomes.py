@@ -18,6 +18,7 @@ from wq_sql.store import quarantine as quarantine_store
 from wq_sql.store import statements
 from wq_sql.store.db import Db
 from wq_sql.store.hot import HotPath
+from wq_sql.store.lineage import Steps
 from wq_sql.worker.book import WorkItem
 from wq_sql.worker.dispenser import Dispenser
 
@@ -156,15 +157,18 @@ class Outcomes:
         held = {(c.id, c.token) for c in rows}
         return [i for i in items if i.key in held]
 
-    def complete_handed(self, handed: Mapping[int, Sequence[Handout]]) -> list[Handout]:
+    def complete_handed(self, handed: Mapping[int, Sequence[Handout]],
+                        steps: Optional[Steps] = None) -> list[Handout]:
         """Mark done items other workers (``{holder worker id: items}``) handed to this process,
-        each a ``WorkItem`` or its ``(id, token)`` key; returns those whose lease was lost."""
+        each a ``WorkItem`` or its ``(id, token)`` key, and write ``steps`` (lineage rows) in the
+        same transaction; returns those whose lease was lost."""
         d = self.d
         with d.lock:
             d.check_usable()
         work = [(holder, [_key(i) for i in items]) for holder, items in handed.items() if items]
 
-        accepted = self.hot.acknowledge(work) if work else set()
+        steps = steps if steps is not None and steps.rows else None
+        accepted = self.hot.acknowledge(work, steps) if work or steps else set()
         missing = [k for _, keys in work for k in keys if k[0] not in accepted]
         if missing:  # rare: an outage may have lost a committed round's reply
             accepted |= self.db.tx(lambda c: statements.done_already(c, missing), read=True)
@@ -179,11 +183,13 @@ class Outcomes:
             d.after_acks()
         return lost
 
-    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]], lease_seconds: float) -> list[WorkItem]:
+    def adopt_handed(self, handed: Mapping[int, Sequence[WorkItem]], lease_seconds: float,
+                     steps: Optional[Steps] = None) -> list[WorkItem]:
         """Hold, under this worker, items other workers (``{holder worker id: items}``) handed to
         this process: they join this object's hand-outs (renewed by its heartbeat, covered by
-        :meth:`cover`, given back by ``close()``). Returns the items whose lease was lost."""
-        db, d = self.db, self.d
+        :meth:`cover`, given back by ``close()``), and write ``steps`` (lineage rows) in the same
+        transaction. Returns the items whose lease was lost."""
+        db, d, hot = self.db, self.d, self.hot
         with d.lock:
             d.check_usable()
             wid = d.member.worker_id
@@ -193,9 +199,12 @@ class Outcomes:
                 for holder, items in handed.items():
                     keys = [i.key for i in items]
                     accepted |= statements.adopt(conn, db.dialect, wid, holder, keys, lease_seconds)
+                if steps is not None:
+                    hot.write_steps(conn.connection, steps)
                 return accepted
 
-            accepted = db.tx(take) if any(handed.values()) else set()
+            steps = steps if steps is not None and steps.rows else None
+            accepted = db.tx(take) if any(handed.values()) or steps else set()
             everything = [i for items in handed.values() for i in items]
             for i in everything:
                 if i.item_id in accepted:

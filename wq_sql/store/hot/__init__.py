@@ -17,6 +17,7 @@ from wq_sql.store.hot.claim import ClaimRound
 from wq_sql.store.hot.leave import Leaving
 from wq_sql.store.hot.poll import Peek, Poll
 from wq_sql.store.hot.renew import Carry, Renewal, Renewed
+from wq_sql.store.lineage import Steps, StepWriter
 from wq_sql.store.statements import Claimed
 
 __all__ = ["HotPath", "Carry", "Peek", "Renewed", "Keys"]
@@ -37,6 +38,7 @@ class HotPath:
         self._poll = Poll(b, schema)
         self._renewal = Renewal(b, self._poll, schema)
         self._leaving = Leaving(b, schema)
+        self._steps = StepWriter(b, schema)
         # What this worker reports with each renewal and at its leave: the seconds its process's
         # training loop waited for data, summed (None: not measured; see add_input_wait).
         self.input_wait: Optional[float] = None
@@ -61,18 +63,25 @@ class HotPath:
         """The queue's ``revoked`` counter as the last claiming round read it (None: none yet)."""
         return self._claim.revoked
 
-    def acknowledge(self, by_holder: Sequence[tuple[int, Keys]]) -> set[int]:
+    def acknowledge(self, by_holder: Sequence[tuple[int, Keys]], steps: Optional[Steps] = None) -> set[int]:
         """Acknowledge items in the names of the workers that hold them (``(holder worker id,
         keys)`` pairs), in one write transaction, claiming nothing: the round's statement, several
-        times cheaper per item than ``statements.complete``. Returns the ids accepted."""
-        qid, claim = self.qid, self._claim
+        times cheaper per item than ``statements.complete``; ``steps``: lineage rows written in
+        the same transaction. Returns the ids accepted."""
+        qid, claim, writer = self.qid, self._claim, self._steps
 
         def done(conn: object) -> set[int]:
             accepted: set[int] = set()
             for holder, keys in by_holder:
                 accepted |= claim.run(conn, qid, holder, keys, 0)[0]
+            if steps is not None:
+                writer.write(conn, qid, steps)
             return accepted
         return self.db.driver_tx(done)
+
+    def write_steps(self, conn: object, steps: Steps) -> None:
+        """Lineage rows, in the transaction open on ``conn`` (a DBAPI connection)."""
+        self._steps.write(conn, self.qid, steps)
 
     def poll(self, worker_id: int) -> Peek:
         """What a waiting take polls: one read-only statement."""
