@@ -34,6 +34,9 @@ filename, filename1, filename2, filename3 = files[:4]
 """
 
 
+LINES = "def read_lines(path):\n    with open(path) as f:\n        return f.read().splitlines()\n"
+
+
 @dataclass(frozen=True)
 class Harness:
     prelude: str = ""
@@ -67,6 +70,23 @@ HARNESSES = {
         "assert n == len(all_lines), n\n"
         "assert manager.latest_checkpoint, 'no checkpoint saved'\n"
         "wq.close()\n"),
+    "from wq_sql.torch import DataLoader, QueueDataset, ReplayDataset": Harness(  # the lineage guide's
+        FILES + LINES + "url = URL\nbatches = []\ndef train_step(batch):\n    batches.append(list(batch))\n",
+        "import wq_sql\n"
+        "rows = wq_sql.trace('work_queue', steps=range(0, len(batches)), url=URL)\n"
+        "content = {f: read_lines(f) for f in files}\n"
+        "got = {}\n"
+        "for t in rows:\n"
+        "    got.setdefault(t.step, []).extend(content[t.work][t.first_record:t.last_record + 1])\n"
+        "assert [got[k] for k in range(len(batches))] == batches, (got, batches)\n"),
+    "from wq_sql.torch import ReplayDataset": Harness(  # the lineage guide's replay, after a run
+        "import os\nos.environ['WQ_SQL_WORKER'], os.environ['RANK'] = 'job-7', '1'\n" + FILES + LINES
+        + "from wq_sql.torch import DataLoader, QueueDataset\nurl = URL\ntrained, replayed = [], []\n"
+        "ds = QueueDataset(files, num_epochs=3, url=URL, read=read_lines, lineage=True)\n"
+        "loader = DataLoader(ds, batch_size=2, num_workers=2)\n"
+        "for epoch in range(3):\n    trained += [list(b) for b in loader]\n"
+        "def model(batch):\n    replayed.append(list(batch))\n    return 0.0\n",
+        "assert replayed == trained[1:3], (replayed, trained[1:3])\n"),
     "from wq_sql.torch import DataLoader, QueueDataset": Harness(
         FILES + "batches = []\ndef train_step(batch):\n    batches.append(batch)\n",
         "got = sorted(r for b in batches for r in b)\n"
@@ -100,8 +120,8 @@ HARNESSES = {
         "assert sorted(lines) == sorted(f'line {i}'.encode() for i in range(300)), len(lines)\n",
         needs="postgresql"),
 }
-# What a block names that this test provides: a path the reader would have.
-PATHS = {"/data/corpus-10GB.txt": "corpus.txt"}
+# What a block names that this test provides: a path the reader would have, steps its run has.
+PATHS = {"/data/corpus-10GB.txt": "corpus.txt", "range(41_220, 41_240)": "range(1, 3)"}
 
 
 def blocks() -> list[tuple[str, int, str]]:
