@@ -404,13 +404,12 @@ def trace(name: str, *, step: Optional[int] = None, steps: Optional[range] = Non
         if not idxs:
             raise InvalidInput(f"queue {row.name!r} has no work {work!r} (give it as stored, as "
                                "wq-sql audit prints it, or as handed out with the queue's prefix)")
-        found = [t for i in idxs for t in lineage_store.traced(conn, row.id, worker=worker, run=run,
-                                                               work_idx=i)]
+        found = lineage_store.traced(conn, row.id, worker=worker, run=run, work_idxs=idxs)
         if not found:
             whose = "" if worker is None else f"of worker {worker!r}, "
             raise InvalidInput(f"work {work!r} of queue {row.name!r} is in no recorded step "
                                f"({whose}recorded: {_described(mine)})")
-        return sorted(found, key=lambda t: (t.worker, t.run, t.step))
+        return found
 
 
 def _whole(what: str, n: object) -> int:

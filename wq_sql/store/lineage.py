@@ -106,10 +106,10 @@ class Traced(NamedTuple):
 
 def traced(conn: Connection, qid: int, *, worker: Optional[str] = None, run: Optional[int] = None,
            steps_from: Optional[int] = None, steps_to: Optional[int] = None,
-           checkpoint: Optional[int] = None, work_idx: Optional[int] = None) -> list[Traced]:
+           checkpoint: Optional[int] = None, work_idxs: Optional[Sequence[int]] = None) -> list[Traced]:
     """Lineage rows of queue ``qid`` with their items, in (worker, run, step, part) order: a
     rank's, a run's, steps ``steps_from`` .. ``steps_to - 1``, the items a
-    checkpoint's step covered, or the items of one work."""
+    checkpoint's step covered, or the items of some works."""
     on_item = and_(items.c.id == steps.c.item_id)
     on_work = and_(works.c.queue_id == items.c.queue_id, works.c.idx == items.c.work_idx)
     q = (select(steps.c.worker, steps.c.run, steps.c.step, items.c.epoch, items.c.seq, works.c.work,
@@ -128,8 +128,8 @@ def traced(conn: Connection, qid: int, *, worker: Optional[str] = None, run: Opt
         q = q.where(steps.c.step < steps_to)
     if checkpoint is not None:
         q = q.where(items.c.ckpt_step == checkpoint)
-    if work_idx is not None:
-        q = q.where(items.c.work_idx == work_idx)
+    if work_idxs is not None:
+        q = q.where(items.c.work_idx.in_(list(work_idxs)))
     q = q.order_by(steps.c.worker, steps.c.run, steps.c.step, steps.c.part)
     return [Traced(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), r[5], int(r[6]), int(r[7]),
                    None if r[8] is None else int(r[8]), int(r[9]), r[10], (r[11] or "") + r[5])
