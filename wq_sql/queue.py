@@ -542,6 +542,14 @@ class WorkQueue:
         self._ensure_process()
         return int(self._db.tx(lambda c: lineage_store.next_run(c, self._qid, self.worker), read=True))
 
+    def queue_steps(self, steps: Steps) -> None:
+        """Lineage rows (``wq_steps``) that ride on this worker's next write of its own: a claim
+        round (which carries the acknowledgements of the items handed out before), an
+        acknowledgement, or ``close()``, in its transaction, never a round trip of their own
+        (the TensorFlow shim's ``lineage=True``). Rows still queued when the process is killed
+        are lost, with the acknowledgements that had not been sent either. Thread-safe."""
+        self._hot.queue_steps(steps)
+
     # ------------------------------------------------------------------ progress and lifecycle
 
     def add_input_wait(self, seconds: float) -> None:

@@ -147,8 +147,8 @@ def test_input_dataset_hands_out_at_most_hand_out_max_items_per_call(url: str,
     sizes: list[int] = []
     hand_out = wq._next_many
 
-    def counted(passes: Any = None) -> Any:
-        got = hand_out(passes)
+    def counted(passes: Any = None, with_ids: bool = False) -> Any:
+        got = hand_out(passes, with_ids)
         sizes.append(len(got))
         return got
 

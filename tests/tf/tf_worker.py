@@ -148,12 +148,36 @@ def tiny(job: dict[str, Any]) -> dict[str, Any]:
     return {"got": got}
 
 
+def lineage(job: dict[str, Any]) -> dict[str, Any]:
+    """TF2 eager custom loop over ``wq.batches(TextLineDataset, ...)`` with lineage on: every
+    batch the loop receives, logged as its step's records, and the loop's own wait in ``next``."""
+    import tensorflow as tf
+
+    from wq_sql.tf import WorkQueue
+
+    wq = WorkQueue(job["files"], num_epochs=job["num_epochs"], name=job["queue"], url=job["url"],
+                   worker=job["worker"], lineage=True)
+    ds = wq.batches(tf.data.TextLineDataset, job["batch_size"], interleave=job.get("interleave", 1))
+    barrier(job["barrier"], job["worker"], job["n_workers"])
+    steps: list[list[str]] = []
+    it = iter(ds)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        steps.append([x.decode("utf-8") for x in batch.numpy().tolist()])
+        time.sleep(job["pause"])
+    wq.close()
+    return {"steps": steps}
+
+
 if __name__ == "__main__":
     # A worker still running after this long is hung: its Python stacks go to stderr, which the
     # test's failure message shows.
     faulthandler.dump_traceback_later(float(os.environ.get("WQ_SQL_TEST_HANG_DUMP", "100")), exit=False)
     job = json.loads(sys.argv[1])
     modes = {"multi_worker_dataset": multi_worker_dataset, "text_lines": text_lines, "mirrored": mirrored,
-             "tiny": tiny}
+             "tiny": tiny, "lineage": lineage}
     report = modes[job["mode"]](job)
     print(json.dumps(report))

@@ -87,16 +87,18 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from wq_sql.errors import QueueEmpty, QueueExhausted
+from wq_sql.errors import InvalidInput, QueueEmpty, QueueExhausted
 from wq_sql.queue import Progress, WorkItem
 from wq_sql.queue import WorkQueue as _CoreQueue
 from wq_sql.tf.checkpoint import CheckpointListener, CheckpointManager, checkpoint_step, need_checkpoint_mode
+from wq_sql.tf.lineage import Reader, StepLog, replay_dataset
+from wq_sql.tf.lineage import batches as _batches
 from wq_sql.tf.readers import TableRecordReader, item_dataset, records_dataset
 from wq_sql.worker.checkpoints import Ledger, Mark
 from wq_sql.worker.sizing import HAND_OUT_MAX, first_claim, hand_out_size
 
 __all__ = ["WorkQueue", "CheckpointManager", "CheckpointListener", "checkpoint_step", "synchronous_training",
-           "TableRecordReader", "records_dataset", "item_dataset", "HAND_OUT_MAX"]
+           "TableRecordReader", "records_dataset", "item_dataset", "replay_dataset", "HAND_OUT_MAX"]
 
 log = logging.getLogger("wq_sql")
 
@@ -121,7 +123,9 @@ class WorkQueue:
     """
 
     def __init__(self, *args: Any, consumed: str = "taken", synchronous: Optional[bool] = None,
-                 **kwargs: Any) -> None:
+                 lineage: bool = False, **kwargs: Any) -> None:
+        if not isinstance(lineage, bool):
+            raise ValueError(f"lineage must be True or False, got {lineage!r}")
         if consumed not in ("taken", "checkpoint"):
             raise ValueError(f"consumed must be 'taken' (DeepRec) or 'checkpoint', got {consumed!r}")
         if consumed == "checkpoint":
@@ -136,6 +140,9 @@ class WorkQueue:
         # wq_sql.worker.checkpoints.
         self.ledger = Ledger()
         self.queue = _CoreQueue(*args, **kwargs)
+        # The batches of batches(): their steps, lineage (lineage=True) and the loop's input wait.
+        self.lineage = lineage
+        self.steps = StepLog(self.queue, lineage)
         self._stats_lock = threading.Lock()
         self._taken = 0
         self._last_epoch = 0
@@ -298,13 +305,13 @@ class WorkQueue:
         self.queue.wake()  # a take() waiting for other workers' items sees the cancel now
         return generation
 
-    def _next_many(self, passes: Optional[_Passes] = None) -> np.ndarray:
+    def _next_many(self, passes: Optional[_Passes] = None, with_ids: bool = False) -> Any:
         """For ``input_dataset``: the next items (up to :meth:`_per_call`, what the buffer
         holds), or none at the end (of the queue, or with ``passes`` of the pass's epoch). After
         each hand-out, the core's refill thread tops the core's buffer up again, off the
         pipeline's path."""
         if passes is not None and passes.over:
-            return np.array([], dtype=object)
+            return _hand_out([], with_ids)
         try:
             # With an empty buffer (the first pull), claim one hand-out, so the pipeline starts
             # after a short round trip; the refill thread claims the rest while it reads those.
@@ -317,11 +324,11 @@ class WorkQueue:
             passes.over = True  # met the next epoch (or the end): this pass ends after these
         if not items:
             self.pass_ended = True
-            return np.array([], dtype=object)
+            return _hand_out([], with_ids)
         # The core's refill thread tops its buffer up again, off the pipeline's path, once at
         # least k places are free (one round trip claims several items).
         self.queue.refill_soon(self._per_call())
-        return np.array([item.encode("utf-8") for item in items], dtype=object)
+        return _hand_out(items, with_ids)
 
     def _per_call(self) -> int:
         """Items per ``input_dataset`` hand-out (``sizing.hand_out_size``): at most
@@ -329,11 +336,11 @@ class WorkQueue:
         read) and what a checkpoint assumes read ahead (``default_read_ahead``)."""
         return hand_out_size(self.queue.lease_ahead)
 
-    def _next_or_end(self, passes: Optional[_Passes] = None) -> np.ndarray:
+    def _next_or_end(self, passes: Optional[_Passes] = None, with_ids: bool = False) -> Any:
         """:meth:`_next_many` for a map that ends on ``OutOfRangeError``: ``StopIteration`` (which
         ``tf.numpy_function`` raises as that error) instead of an empty hand-out."""
-        works = self._next_many(passes)
-        if not len(works):
+        works = self._next_many(passes, with_ids)
+        if not len(works[0] if with_ids else works):
             raise StopIteration(f"queue {self.name!r} is exhausted")
         return works
 
@@ -390,14 +397,18 @@ class WorkQueue:
         After the first pull, a background thread keeps claimed ahead what ``lease_ahead``
         leaves room for, and items reach the pipeline ``min(ceil(lease_ahead / 2), 64)`` per
         Python call, so that pulls do not wait for the database (see the module docstring)."""
+        return self._items_dataset(epochs, with_ids=False)
+
+    def _items_dataset(self, epochs: str, with_ids: bool) -> tf.data.Dataset:
+        """:meth:`input_dataset`; ``with_ids``: each element is ``(work, item id)`` (lineage)."""
         if epochs not in ("all", "each"):
             raise ValueError(f"epochs must be 'all' (DeepRec: one pass over every epoch) or 'each' (each "
                              f"iteration of the dataset is one epoch of the queue), got {epochs!r}")
         passes = _Passes(self) if epochs == "each" else None
-        take, take_or_end = self._take_functions(passes)
+        take, take_or_end = self._take_functions(passes, with_ids)
 
         @tf.autograph.experimental.do_not_convert
-        def not_end(works: tf.Tensor) -> tf.Tensor:
+        def not_end(works: Any, *_: Any) -> tf.Tensor:
             return tf.size(works) > 0
 
         def items() -> tf.data.Dataset:
@@ -432,33 +443,80 @@ class WorkQueue:
             options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
         return ds.with_options(options)
 
-    def _take_functions(self, passes: Optional[_Passes]) -> tuple[Any, Any]:
+    def _take_functions(self, passes: Optional[_Passes], with_ids: bool = False) -> tuple[Any, Any]:
         """The dataset's take, as a map function: one returning an empty hand-out at the end, one
-        raising ``OutOfRangeError`` there."""
+        raising ``OutOfRangeError`` there. ``with_ids``: each returns ``(works, item ids)``."""
         # A stateful numpy_function pulled by a sequential map, only when the pipeline asks
         # (tf.data does not parallelise stateful maps; a stateless map after it would be, and
         # would pull ahead). Each call hands out what the prefetched buffer holds, up to half of
         # lease_ahead, and unbatch() passes them on one by one: the Python call, which costs
         # about as much as reading a small file, is paid once per hand-out, not per item.
-        def next_many() -> np.ndarray:
-            return self._next_many(passes)
+        def next_many() -> Any:
+            return self._next_many(passes, with_ids)
 
-        def next_or_end() -> np.ndarray:
-            return self._next_or_end(passes)
+        def next_or_end() -> Any:
+            return self._next_or_end(passes, with_ids)
 
-        @tf.autograph.experimental.do_not_convert
-        def take(_: tf.Tensor) -> tf.Tensor:
-            works = tf.numpy_function(next_many, [], tf.string, stateful=True, name="take")
-            works.set_shape([None])
-            return works
+        def made(fn: Any) -> Any:
+            @tf.autograph.experimental.do_not_convert
+            def take(_: tf.Tensor) -> Any:
+                if not with_ids:
+                    works = tf.numpy_function(fn, [], tf.string, stateful=True, name="take")
+                    works.set_shape([None])
+                    return works
+                works, ids = tf.numpy_function(fn, [], [tf.string, tf.int64], stateful=True, name="take")
+                works.set_shape([None])
+                ids.set_shape([None])
+                return works, ids
+            return take
 
-        @tf.autograph.experimental.do_not_convert
-        def take_or_end(_: tf.Tensor) -> tf.Tensor:
-            works = tf.numpy_function(next_or_end, [], tf.string, stateful=True, name="take")
-            works.set_shape([None])
-            return works
+        return made(next_many), made(next_or_end)
 
-        return take, take_or_end
+    def batches(self, read: Reader, batch_size: int, *, map_fn: Optional[Any] = None,
+                drop_remainder: bool = False, epochs: str = "all", interleave: int = 1,
+                num_parallel_calls: Optional[int] = tf.data.AUTOTUNE,
+                prefetch: Optional[int] = tf.data.AUTOTUNE,
+                first_step: Optional[int] = None) -> tf.data.Dataset:
+        """Training batches of the records of the items this worker takes, for a training loop
+        or ``model.fit``; with ``lineage=True`` each batch's records are recorded, and in every
+        case the loop's wait for its batches::
+
+            wq = WorkQueue(files, url=url, worker="job-7/rank0", lineage=True)
+            ds = wq.batches(tf.data.TextLineDataset, 256, map_fn=parse)
+            for batch in ds:                       # step 0, 1, 2, ... of this worker
+                train_step(batch)
+
+        - ``read``: work (scalar ``tf.string``) -> ``tf.data.Dataset`` of its records, e.g.
+          ``tf.data.TextLineDataset``; read one item at a time in hand-out order, or
+          ``interleave`` items at once (``Dataset.interleave``, deterministic).
+        - ``map_fn``: record -> features, applied to each record (``num_parallel_calls``,
+          order kept) before batching; ``batch_size``, ``drop_remainder``: ``Dataset.batch``'s;
+          ``prefetch``: batches made ahead (``None``: none); ``epochs``: as for
+          :meth:`input_dataset`.
+        - **Steps**: the ``k``-th batch this object's ``batches`` datasets yield (0-based, over
+          every pass) is step ``k``; ``first_step`` numbers the next batch (after restoring a
+          checkpoint, its global step) and begins a new lineage run.
+        - **Lineage** (``lineage=True``): per step, which items and which records of each
+          (positions in what ``read`` yields) the batch held, as rows of ``wq_steps`` written in
+          the transaction of this worker's next claim round, which acknowledges the items handed
+          out before (or of its close): no round trip per step. ``wq-sql trace`` lists them;
+          :func:`replay_dataset` feeds those batches again.
+        - **Waiting on data**: the time the loop waits inside the iterator's ``get_next`` for
+          each batch is added to this worker's total, sent with its heartbeat (the metric
+          ``wq_sql_worker_input_wait_seconds_total``, the dashboard's "waiting on data").
+
+        Give the dataset to the loop as it is: a ``prefetch`` (or another stage) after it would
+        make the measured wait the pipeline's, and would number batches the loop has not asked
+        for yet. A batch is numbered when the loop receives it; a batch received but not trained
+        when the process dies is recorded all the same (the items of a hand-out count as
+        consumed once the next one is taken, DeepRec's semantics)."""
+        if first_step is not None:
+            if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+                raise InvalidInput(f"first_step must be a whole number >= 0, got {first_step!r}")
+            self.steps.restart(first_step)
+        return _batches(self._items_dataset(epochs, with_ids=True), self.steps, read, batch_size,
+                        map_fn=map_fn, drop_remainder=drop_remainder, interleave=interleave,
+                        num_parallel_calls=num_parallel_calls, prefetch=prefetch)
 
     def records_dataset(self, columns: Optional[list[str]] = None) -> tf.data.Dataset:
         """The records of every sliced item this worker takes (``table:``, ``lines:`` or a
@@ -619,6 +677,14 @@ class WorkQueue:
 DEFAULT_READ_AHEAD = 8
 """Items, plus one hand-out: enough when one item is read at a time and the buffers after the
 reader (shuffle, batch, prefetch, Keras' own) hold fewer records than 7 items have."""
+
+
+def _hand_out(items: list[WorkItem], with_ids: bool) -> Any:
+    """What the take's ``numpy_function`` returns: the works, and with ``with_ids`` their ids."""
+    works = np.array([item.encode("utf-8") for item in items], dtype=object)
+    if not with_ids:
+        return works
+    return works, np.array([item.item_id for item in items], dtype=np.int64)
 
 
 def synchronous_training() -> bool:

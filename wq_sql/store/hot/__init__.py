@@ -43,6 +43,37 @@ class HotPath:
         # training loop waited for data, summed (None: not measured; see add_input_wait).
         self.input_wait: Optional[float] = None
         self._wait_lock = threading.Lock()
+        # Lineage rows that ride on this worker's next write of the hot path (a claim round,
+        # acknowledgements, the leave): see queue_steps.
+        self._queued: list[Steps] = []
+
+    def queue_steps(self, steps: Steps) -> None:
+        """Lineage rows to write in this worker's next claim round, acknowledgement or leave,
+        in its transaction (no round trip of their own). From any thread."""
+        if not steps.rows:
+            return
+        with self._wait_lock:
+            last = self._queued[-1] if self._queued else None
+            if last is not None and (last.worker, last.run) == (steps.worker, steps.run):
+                self._queued[-1] = Steps(last.worker, last.run, [*last.rows, *steps.rows])
+            else:
+                self._queued.append(steps)
+
+    @property
+    def steps_queued(self) -> int:
+        """Lineage rows waiting for the next write (:meth:`queue_steps`)."""
+        with self._wait_lock:
+            return sum(len(s.rows) for s in self._queued)
+
+    def _take_queued(self, extra: Optional[Steps] = None) -> list[Steps]:
+        with self._wait_lock:
+            queued, self._queued = self._queued, []
+        return queued + ([extra] if extra is not None and extra.rows else [])
+
+    def _requeue(self, queued: list[Steps]) -> None:
+        """A write that carried ``queued`` failed: they ride on the next one."""
+        with self._wait_lock:
+            self._queued = queued + self._queued
 
     def add_input_wait(self, seconds: float) -> None:
         """Add to the waiting-on-data total the next renewal records (from any thread)."""
@@ -54,9 +85,25 @@ class HotPath:
         """One claim round: acknowledge ``acks`` (fenced by their tokens) and claim up to
         ``limit`` items (0: none), with ``carry``'s renewal in the same transaction. Returns the
         ids of the acks accepted and the items claimed, in hand-out order, each with its work."""
-        qid, claim = self.qid, self._claim
-        return self.db.driver_round(lambda conn, prefix: claim.run(conn, qid, worker_id, acks, limit, prefix,
-                                                                   carry))
+        qid, claim, writer = self.qid, self._claim, self._steps
+        queued = self._take_queued()
+        if not queued:
+            return self.db.driver_round(
+                lambda conn, prefix: claim.run(conn, qid, worker_id, acks, limit, prefix, carry))
+        one_query = self.db.dialect.one_query_rounds
+
+        def with_steps(conn: object, prefix: str) -> tuple[set[int], list[Claimed]]:
+            if one_query:  # Postgres: the inserts go first in the round's one query
+                prefix += "".join(writer.text(conn, qid, s) for s in queued)
+            else:
+                for s in queued:
+                    writer.write(conn, qid, s)
+            return claim.run(conn, qid, worker_id, acks, limit, prefix, carry)
+        try:
+            return self.db.driver_round(with_steps)
+        except BaseException:
+            self._requeue(queued)
+            raise
 
     @property
     def revoked(self) -> Optional[int]:
@@ -69,15 +116,20 @@ class HotPath:
         times cheaper per item than ``statements.complete``; ``steps``: lineage rows written in
         the same transaction. Returns the ids accepted."""
         qid, claim, writer = self.qid, self._claim, self._steps
+        queued = self._take_queued(steps)
 
         def done(conn: object) -> set[int]:
             accepted: set[int] = set()
             for holder, keys in by_holder:
                 accepted |= claim.run(conn, qid, holder, keys, 0)[0]
-            if steps is not None:
-                writer.write(conn, qid, steps)
+            for s in queued:
+                writer.write(conn, qid, s)
             return accepted
-        return self.db.driver_tx(done)
+        try:
+            return self.db.driver_tx(done)
+        except BaseException:
+            self._requeue([s for s in queued if s is not steps])
+            raise
 
     def write_steps(self, conn: object, steps: Steps) -> None:
         """Lineage rows, in the transaction open on ``conn`` (a DBAPI connection)."""
@@ -119,17 +171,27 @@ class HotPath:
     def leave(self, worker_id: int, incarnation: str, acks: Keys, give_back: Keys) -> set[int]:
         """A clean close: acknowledge ``acks``, give back ``give_back`` (no attempt counted)
         and mark the worker closed, in one write transaction. Returns the ids of acks accepted."""
-        qid, claim, leaving, wait = self.qid, self._claim, self._leaving, self.input_wait
+        qid, claim, leaving, wait, writer = self.qid, self._claim, self._leaving, self.input_wait, self._steps
+        queued = self._take_queued()
 
         def leave(conn: object) -> set[int]:
             accepted = claim.run(conn, qid, worker_id, acks, 0)[0] if acks else set()
+            for s in queued:
+                writer.write(conn, qid, s)
             leaving.run(conn, qid, worker_id, incarnation, give_back, input_wait=wait)
             return accepted
-        return self.db.driver_tx(leave)
+        try:
+            return self.db.driver_tx(leave)
+        except BaseException:
+            self._requeue(queued)
+            raise
 
     def leave_lazily(self, worker_id: int, incarnation: str, give_back: Keys) -> None:
         """A clean close that acknowledges nothing: one statement that commits without waiting
         for the WAL flush (Postgres; see ``Outcomes.leave`` for why losing it is harmless)."""
+        if self.steps_queued:  # lineage rows must be durable: the leave that writes them
+            self.leave(worker_id, incarnation, [], give_back)
+            return
         qid, leaving, wait = self.qid, self._leaving, self.input_wait
         self.db.driver_round(lambda conn, prefix: leaving.run(conn, qid, worker_id, incarnation, give_back,
                                                               prefix, lazy=True, input_wait=wait))

@@ -1,0 +1,222 @@
+"""The TensorFlow shim's training batches with lineage and the input wait
+(:meth:`wq_sql.tf.WorkQueue.batches`), and their replay (:func:`replay_dataset`).
+
+A record carries its item's id and its position in the item through the pipeline (two
+``int64`` tensors beside it); the last stage, one stateful ``numpy_function`` per batch, takes
+them off, numbers the batch (the rank's step), turns them into ``wq_steps`` rows (one per run of
+consecutive records of one item) and queues them on the core queue, whose next write (a claim
+round, which acknowledges the items handed out before, or the close) carries them in its
+transaction. Before pulling a batch the pipeline reads a clock (a ``zip`` pulls its inputs in
+order); the time from that to the batch arriving is the training loop's wait inside the
+iterator's ``get_next``, added to the rank's input-wait total (see decision 0010)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from wq_sql.admin import trace
+from wq_sql.errors import InvalidInput
+from wq_sql.store.engine import resolve_url
+from wq_sql.store.lineage import Row, Steps, Traced
+
+if TYPE_CHECKING:
+    from wq_sql.queue import WorkQueue as CoreQueue
+
+Reader = Callable[[tf.Tensor], tf.data.Dataset]
+
+
+class StepLog:
+    """The batches a queue object's :meth:`~wq_sql.tf.WorkQueue.batches` datasets made: their
+    step numbers (0, 1, ... over every pass and dataset of the object, from ``first_step``), the
+    lineage rows queued with the core queue (``lineage``), and the input wait."""
+
+    def __init__(self, queue: CoreQueue, lineage: bool) -> None:
+        self.queue, self.lineage = queue, lineage
+        self.next_step = 0
+        self._run: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def batch(self, asked: np.float64, ids: np.ndarray, positions: np.ndarray) -> np.int64:
+        """One batch reached the training loop, which asked for it at ``asked``
+        (``time.monotonic``); ``ids``, ``positions``: its records' items and places in them."""
+        self.queue.add_input_wait(max(0.0, time.monotonic() - float(asked)))
+        with self._lock:
+            step = self.next_step
+            self.next_step += 1
+            if self.lineage and len(ids):
+                if self._run is None:
+                    self._run = self.queue.next_lineage_run()
+                self.queue.queue_steps(Steps(self.queue.worker, self._run, step_rows(step, ids, positions)))
+        return np.int64(step)
+
+    def restart(self, first_step: int) -> None:
+        """Number the next batch ``first_step``, in a new run (a restored model's steps)."""
+        with self._lock:
+            self.next_step = first_step
+            self._run = None
+
+
+def step_rows(step: int, ids: np.ndarray, positions: np.ndarray) -> list[Row]:
+    """A batch's ``wq_steps`` rows, in batch order: one per run of consecutive records of one
+    item, ``(step, part, item id, first record, last record)``."""
+    ids = np.asarray(ids, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    cut = np.flatnonzero((ids[1:] != ids[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [len(ids)])) - 1
+    return [(step, part, int(ids[a]), int(positions[a]), int(positions[b]))
+            for part, (a, b) in enumerate(zip(starts.tolist(), ends.tolist()))]
+
+
+def _mapped(map_fn: Optional[Callable[..., Any]], record: Any) -> Any:
+    """``map_fn`` called on a record as ``Dataset.map`` would call it (a tuple spread)."""
+    if map_fn is None:
+        return record
+    return map_fn(*record) if isinstance(record, tuple) else map_fn(record)
+
+
+def check_reader(read: Any, map_fn: Any) -> None:
+    if not callable(read):
+        raise InvalidInput(f"read must be a function work -> tf.data.Dataset of its records, e.g. "
+                           f"tf.data.TextLineDataset, got {read!r}")
+    if map_fn is not None and not callable(map_fn):
+        raise InvalidInput(f"map_fn must be a function record -> features, or None, got {map_fn!r}")
+
+
+def batches(items: tf.data.Dataset, log: StepLog, read: Reader, batch_size: int, *,
+            map_fn: Optional[Callable[..., Any]], drop_remainder: bool, interleave: int,
+            num_parallel_calls: Optional[int], prefetch: Optional[int]) -> tf.data.Dataset:
+    """The training batches of ``items`` (a dataset of ``(work, item id)``): see
+    :meth:`wq_sql.tf.WorkQueue.batches`."""
+    check_reader(read, map_fn)
+    for name, value, least in (("batch_size", batch_size, 1), ("interleave", interleave, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidInput(f"{name} must be a whole number >= {least}, got {value!r}")
+
+    @tf.autograph.experimental.do_not_convert
+    def records(work: tf.Tensor, item_id: tf.Tensor) -> tf.data.Dataset:
+        return read(work).enumerate().map(lambda position, record: (record, item_id, position))
+
+    if interleave == 1:
+        recs = items.flat_map(records)
+    else:
+        recs = items.interleave(records, cycle_length=interleave, num_parallel_calls=interleave,
+                                deterministic=True)
+    if map_fn is not None:
+        parallel = {} if num_parallel_calls is None else {"num_parallel_calls": num_parallel_calls,
+                                                          "deterministic": True}
+        recs = recs.map(lambda record, item_id, position: (_mapped(map_fn, record), item_id, position),
+                        **parallel)
+    made = recs.batch(batch_size, drop_remainder=drop_remainder)
+    if prefetch:
+        made = made.prefetch(prefetch)
+
+    @tf.autograph.experimental.do_not_convert
+    def now(_: tf.Tensor) -> tf.Tensor:
+        t = tf.numpy_function(lambda: np.float64(time.monotonic()), [], tf.float64, stateful=True,
+                              name="asked_at")
+        t.set_shape([])
+        return t
+
+    @tf.autograph.experimental.do_not_convert
+    def handed(asked: tf.Tensor, batch: Any) -> Any:
+        data, ids, positions = batch
+        step = tf.numpy_function(log.batch, [asked, ids, positions], tf.int64, stateful=True, name="step")
+        with tf.control_dependencies([step]):
+            return tf.nest.map_structure(tf.identity, data)
+
+    # zip pulls the clock, then the batch: the time between is the loop's wait for the batch.
+    clock = tf.data.Dataset.from_tensors(0).repeat().map(now)
+    out = tf.data.Dataset.zip((clock, made)).map(handed)
+    options = tf.data.Options()
+    # Nothing between this stage and the training loop: a prefetch there would make the clock
+    # read the pipeline's wait, not the loop's (and number batches the loop has not asked for).
+    options.experimental_optimization.inject_prefetch = False
+    return out.with_options(options)
+
+
+def replay_dataset(name: str, *, worker: str, steps: range, read: Reader,
+                   map_fn: Optional[Callable[..., Any]] = None, url: Any = None, run: Optional[int] = None,
+                   schema: Optional[str] = None) -> tf.data.Dataset:
+    """The batches that rank ``worker`` trained on at ``steps`` (a ``range`` of its step numbers,
+    as ``wq-sql trace`` prints them), in step order, record for record, read again from the
+    queue's lineage (the run used :meth:`wq_sql.tf.WorkQueue.batches` with ``lineage=True``)::
+
+        replay = replay_dataset("train", url=url, worker="job-7/rank1", steps=range(41_220, 41_240),
+                                read=tf.data.TextLineDataset, map_fn=parse)
+        for batch in replay:             # the batches of steps 41,220 .. 41,239 of rank 1
+            loss = model(batch)
+
+    ``read`` and ``map_fn``: the run's (the reader must yield the same records for an item as
+    in the run, in the same order). It claims nothing and writes nothing: the queue's state is
+    untouched, so it may run beside the job. Each step is the rank's latest run that recorded
+    it (``run``: that run). A step of the range with no lineage, an unknown worker or run, or a
+    queue without lineage raises :class:`~wq_sql.InvalidInput` saying what was recorded; a
+    reader that yields fewer records than a step trained fails the iteration with
+    ``InvalidArgumentError`` naming the step."""
+    if not isinstance(worker, str):
+        raise InvalidInput(f"worker must be the rank's identity (a str, as wq-sql trace prints it), "
+                           f"got {worker!r}")
+    check_reader(read, map_fn)
+    rows = trace(name, steps=steps, worker=worker, run=run,
+                 url=resolve_url(url).render_as_string(hide_password=False), schema=schema)
+    by_step: dict[int, list[Traced]] = {}
+    for t in rows:
+        by_step.setdefault(t.step, []).append(t)
+    missing = [s for s in steps if s not in by_step]
+    if missing:
+        shown = ", ".join(str(s) for s in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise InvalidInput(f"steps {shown} of worker {worker!r} in queue {name!r} have no lineage "
+                           f"({len(missing)} of the {len(steps)} asked for; recorded steps of the range: "
+                           f"{min(by_step)}..{max(by_step)}): ask for a range the rank trained and "
+                           "acknowledged (wq-sql trace shows it)")
+    works: list[str] = []
+    firsts: list[int] = []
+    counts: list[int] = []
+    bounds = [0]
+    sizes: list[int] = []
+    for s in steps:
+        for t in by_step[s]:
+            works.append(t.handed)
+            firsts.append(t.first_record)
+            counts.append(t.last_record - t.first_record + 1)
+        bounds.append(len(works))
+        sizes.append(sum(counts[bounds[-2]:]))
+    w, f, c = tf.constant(works, tf.string), tf.constant(firsts, tf.int64), tf.constant(counts, tf.int64)
+    b, n = tf.constant(bounds, tf.int64), tf.constant(sizes, tf.int64)
+    numbers = tf.constant(list(steps), tf.int64)
+    most = max(sizes)
+
+    @tf.autograph.experimental.do_not_convert
+    def records(work: tf.Tensor, first: tf.Tensor, count: tf.Tensor) -> tf.data.Dataset:
+        return read(work).skip(first).take(count)
+
+    @tf.autograph.experimental.do_not_convert
+    def step_batch(k: tf.Tensor) -> tf.data.Dataset:
+        lo, hi = b[k], b[k + 1]
+        recs = tf.data.Dataset.from_tensor_slices((w[lo:hi], f[lo:hi], c[lo:hi])).flat_map(records)
+        if map_fn is not None:
+            recs = recs.map(lambda *record: _mapped(map_fn, _one(record)))
+        return recs.batch(most).map(lambda *batch: _checked(_one(batch), n[k], numbers[k]))
+
+    return tf.data.Dataset.range(len(steps)).flat_map(step_batch)
+
+
+def _one(spread: tuple[Any, ...]) -> Any:
+    """What ``Dataset.map`` spread into arguments, as one element again."""
+    return spread[0] if len(spread) == 1 else spread
+
+
+def _checked(batch: Any, expected: tf.Tensor, step: tf.Tensor) -> Any:
+    """``batch`` once its size is the step's recorded one (else the iteration fails, naming it)."""
+    got = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+    check = tf.debugging.Assert(tf.equal(got, expected), [
+        "replay of step", step, ": the reader yields", got, "record(s) where the step trained", expected,
+        "(replay needs the same reader and unchanged data)"])
+    with tf.control_dependencies([check]):
+        return tf.nest.map_structure(tf.identity, batch)
