@@ -183,10 +183,10 @@ def run_wq(paths: list[str], batch: int, url: str, lease_ahead: Optional[int]) -
     spent: list[float] = []
     hand_out = wq._next_many
 
-    def timed() -> np.ndarray:
+    def timed(*args: Any) -> np.ndarray:
         t = time.perf_counter()
         try:
-            return hand_out()
+            return hand_out(*args)
         finally:
             spent.append(time.perf_counter() - t)
 
@@ -197,6 +197,19 @@ def run_wq(paths: list[str], batch: int, url: str, lease_ahead: Optional[int]) -
         wq.close()
         wq_sql.drop_queue(name, url)
     WAITS.append((sum(spent), spent[-1] if spent else 0.0, len(spent)))
+    return n, seconds
+
+
+def run_batches(paths: list[str], batch: int, url: str, lineage: bool) -> tuple[int, float]:
+    """``wq.batches(TextLineDataset, batch)`` at the shim's defaults, with or without lineage
+    (each batch's records recorded): what lineage costs, against the same pipeline without it."""
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    wq = WorkQueue(paths, shuffle=False, name=name, url=url, worker="bench", lineage=lineage)
+    try:
+        n, seconds = consume(wq.batches(tf.data.TextLineDataset, batch))
+    finally:
+        wq.close()
+        wq_sql.drop_queue(name, url)
     return n, seconds
 
 
@@ -244,6 +257,8 @@ def main() -> None:
                     help="also time plain reading beside only the durable statements, in rounds of N")
     ap.add_argument("--no-autotune", action="store_true",
                     help="both sides with tf.data's autotuner off (no bimodal slow mode)")
+    ap.add_argument("--lineage", action="store_true",
+                    help="also time wq.batches(TextLineDataset, batch) without and with lineage=True")
     ap.add_argument("--json", default=None, help="also write every run's seconds and the ratios here")
     args = ap.parse_args()
     global AUTOTUNE
@@ -260,7 +275,7 @@ def main() -> None:
         run_wq(paths, args.batch, url, args.lease_ahead[0])
         results: list[dict[str, Any]] = []
         for lease_ahead in args.lease_ahead:
-            plain, ours, burning, shaped, floor = [], [], [], [], []
+            plain, ours, burning, shaped, floor, bare, traced = [], [], [], [], [], [], []
             plain_td, ours_td = [], []
             del WAITS[:]
             for _ in range(args.runs):
@@ -284,6 +299,11 @@ def main() -> None:
                     n, s = run_structure(paths, args.batch, lease_ahead)
                     assert n == expected, (n, expected)
                     shaped.append(s)
+                if args.lineage:
+                    for with_lineage, into in ((False, bare), (True, traced)):
+                        n, s = run_batches(paths, args.batch, url, with_lineage)
+                        assert n == expected, (n, expected)
+                        into.append(s)
             p, o = statistics.median(plain), statistics.median(ours)
             shown = "default" if lease_ahead is None else str(lease_ahead)
             line = (f"lease_ahead={shown:<3s} plain {p:.3f}s ({expected / p:,.0f} rec/s)  "
@@ -295,6 +315,10 @@ def main() -> None:
             if floor:
                 line += (f"  | floor (plain + the durable statements, rounds of {args.floor}): "
                          f"{p / statistics.median(floor):.2f}x (best {min(plain) / min(floor):.2f}x)")
+            if traced:
+                b, t = statistics.median(bare), statistics.median(traced)
+                line += (f"  | wq.batches() {p / b:.2f}x of plain, with lineage {p / t:.2f}x; lineage against "
+                         f"without, same run: {b / t:.3f}x (best runs {min(bare) / min(traced):.3f}x)")
             if burning:
                 line += (f"  | plain beside a {args.burner:.0%} burner: {p / statistics.median(burning):.2f}x "
                          f"(best {min(plain) / min(burning):.2f}x)")
@@ -309,7 +333,8 @@ def main() -> None:
                             "lines": args.lines, "lease_ahead": shown, "autotune": AUTOTUNE,
                             "plain_s": plain, "wq_sql_s": ours,
                             "plain_teardown_s": plain_td, "wq_sql_teardown_s": ours_td, "burner_s": burning, "structure_s": shaped,
-                            "floor_s": floor, "floor_n": args.floor,
+                            "floor_s": floor, "floor_n": args.floor, "batches_s": bare,
+                            "batches_lineage_s": traced,
                             "handout_s": [w[0] for w in WAITS], "last_handout_s": [w[1] for w in WAITS],
                             "handouts": [w[2] for w in WAITS],
                             "ratio": p / o, "best_ratio": min(plain) / min(ours),

@@ -79,6 +79,22 @@ HARNESSES = {
         "for t in rows:\n"
         "    got.setdefault(t.step, []).extend(content[t.work][t.first_record:t.last_record + 1])\n"
         "assert [got[k] for k in range(len(batches))] == batches, (got, batches)\n"),
+    "import tensorflow as tf\nfrom wq_sql.tf import WorkQueue, replay_dataset": Harness(  # the lineage guide's
+        FILES + "import tensorflow as tf\nurl = URL\n"
+        "def parse(line):\n"
+        "    n = tf.strings.to_number(tf.strings.split(line)[-1], tf.float32)\n"
+        "    return tf.reshape(n, [1]), tf.reshape(n, [1])\n"
+        "model = tf.keras.Sequential([tf.keras.Input(shape=(1,)), tf.keras.layers.Dense(1)])\n"
+        "model.compile(optimizer='sgd', loss='mse')\n",
+        "import wq_sql\n"
+        "rows = wq_sql.trace('work_queue', steps=range(0, 23), url=URL)\n"
+        "content = {f: open(f).read().splitlines() for f in files}\n"
+        "def lines(step_rows):\n"
+        "    return [x for t in step_rows for x in content[t.work][t.first_record:t.last_record + 1]]\n"
+        "assert sorted(lines(rows)) == sorted(all_lines * 3)\n"
+        "got = [float(v) for _, y in replay for v in y.numpy().ravel()]\n"
+        "want = [float(x.split()[-1]) for x in lines([t for t in rows if t.step in (1, 2)])]\n"
+        "assert got == want, (got, want)\n"),
     "from wq_sql.torch import ReplayDataset": Harness(  # the lineage guide's replay, after a run
         "import os\nos.environ['WQ_SQL_WORKER'], os.environ['RANK'] = 'job-7', '1'\n" + FILES + LINES
         + "from wq_sql.torch import DataLoader, QueueDataset\nurl = URL\ntrained, replayed = [], []\n"
@@ -121,7 +137,8 @@ HARNESSES = {
         needs="postgresql"),
 }
 # What a block names that this test provides: a path the reader would have, steps its run has.
-PATHS = {"/data/corpus-10GB.txt": "corpus.txt", "range(41_220, 41_240)": "range(1, 3)"}
+PATHS = {"/data/corpus-10GB.txt": "corpus.txt", "range(41_220, 41_240)": "range(1, 3)",
+         "TextLineDataset, 256, map_fn": "TextLineDataset, 4, map_fn"}
 
 
 def blocks() -> list[tuple[str, int, str]]:
