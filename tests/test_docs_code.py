@@ -79,7 +79,7 @@ HARNESSES = {
         "for t in rows:\n"
         "    got.setdefault(t.step, []).extend(content[t.work][t.first_record:t.last_record + 1])\n"
         "assert [got[k] for k in range(len(batches))] == batches, (got, batches)\n"),
-    "import tensorflow as tf\nfrom wq_sql.tf import WorkQueue, replay_dataset": Harness(  # the lineage guide's
+    "import tensorflow as tf\nfrom wq_sql.tf import WorkQueue, replay_dataset": Harness(  # lineage, TF
         FILES + "import tensorflow as tf\nurl = URL\n"
         "def parse(line):\n"
         "    n = tf.strings.to_number(tf.strings.split(line)[-1], tf.float32)\n"
