@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from wq_sql.queue import WorkQueue as CoreQueue
 
 Reader = Callable[[tf.Tensor], tf.data.Dataset]
+_NO_END = 2**62  # a range's end that no item's record count reaches
 
 
 class StepLog:
@@ -73,6 +74,12 @@ def step_rows(step: int, ids: np.ndarray, positions: np.ndarray) -> list[Row]:
             for part, (a, b) in enumerate(zip(starts.tolist(), ends.tolist()))]
 
 
+def _tags(chunk: Any, item_id: tf.Tensor, first: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The item ids and positions of the records of ``chunk`` (its first at position ``first``)."""
+    n = tf.shape(tf.nest.flatten(chunk)[0], out_type=tf.int64)[0]
+    return tf.fill([n], item_id), tf.range(first, first + n, dtype=tf.int64)
+
+
 def _mapped(map_fn: Optional[Callable[..., Any]], record: Any) -> Any:
     """``map_fn`` called on a record as ``Dataset.map`` would call it (a tuple spread)."""
     if map_fn is None:
@@ -100,19 +107,27 @@ def batches(items: tf.data.Dataset, log: StepLog, read: Reader, batch_size: int,
 
     @tf.autograph.experimental.do_not_convert
     def records(work: tf.Tensor, item_id: tf.Tensor) -> tf.data.Dataset:
-        return read(work).enumerate().map(lambda position, record: (record, item_id, position))
+        # The item's records a chunk at a time, beside its id and each chunk's first position:
+        # datasets without functions of their own, so nothing is instantiated per item.
+        ids = tf.data.Dataset.from_tensors(item_id).repeat()
+        firsts = tf.data.Dataset.range(0, _NO_END, batch_size)
+        return tf.data.Dataset.zip((read(work).batch(batch_size), ids, firsts))
 
     if interleave == 1:
-        recs = items.flat_map(records)
+        chunks = items.flat_map(records)
     else:
-        recs = items.interleave(records, cycle_length=interleave, num_parallel_calls=interleave,
-                                deterministic=True)
-    if map_fn is not None:
+        chunks = items.interleave(records, cycle_length=interleave, num_parallel_calls=interleave,
+                                  deterministic=True)
+    # Tagged a chunk at a time: its records, their item ids, their positions in the item.
+    chunks = chunks.map(lambda chunk, item_id, first: (chunk, *_tags(chunk, item_id, first)))
+    if map_fn is None:
+        made = chunks.rebatch(batch_size, drop_remainder=drop_remainder)
+    else:
         parallel = {} if num_parallel_calls is None else {"num_parallel_calls": num_parallel_calls,
                                                           "deterministic": True}
-        recs = recs.map(lambda record, item_id, position: (_mapped(map_fn, record), item_id, position),
-                        **parallel)
-    made = recs.batch(batch_size, drop_remainder=drop_remainder)
+        recs = chunks.unbatch().map(
+            lambda record, item_id, position: (_mapped(map_fn, record), item_id, position), **parallel)
+        made = recs.batch(batch_size, drop_remainder=drop_remainder)
     if prefetch:
         made = made.prefetch(prefetch)
 
