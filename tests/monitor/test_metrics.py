@@ -66,9 +66,22 @@ def sql_counts(url: str) -> dict[str, Any]:
                 "GROUP BY worker")).all())
             oldest = c.execute(sa.text(
                 "SELECT min(claimed_at) FROM wq_audit WHERE queue = 'train' AND state = 'claimed'")).scalar()
+            # Every pending row, not the first in claim order as the exporter reads it.
+            pending = c.execute(sa.text(
+                "SELECT min(i.pending_since) FROM wq_items i JOIN wq_queues q ON q.id = i.queue_id "
+                "WHERE q.name = 'train' AND i.state = 'pending'")).scalar()
     finally:
         engine.dispose()
-    return {"states": states, "kinds": kinds, "done_by": done_by, "held_by": held_by, "oldest": oldest}
+    return {"states": states, "kinds": kinds, "done_by": done_by, "held_by": held_by, "oldest": oldest,
+            "pending": pending}
+
+
+def age_of(stamp: Any) -> float:
+    if isinstance(stamp, str):
+        stamp = dt.datetime.fromisoformat(stamp)
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.timezone.utc)
+    return (dt.datetime.now(dt.timezone.utc) - stamp).total_seconds()
 
 
 def check(samples: Samples, sql: dict[str, Any], epochs: list[int]) -> None:
@@ -91,16 +104,13 @@ def check(samples: Samples, sql: dict[str, Any], epochs: list[int]) -> None:
     assert {dict(k)["worker"]: v for k, v in done.items() if v} == sql["done_by"]
     held = series(samples, "wq_sql_worker_items_held")
     assert {dict(k)["worker"]: v for k, v in held.items() if v} == sql["held_by"]
-    age = pick(samples, "wq_sql_oldest_delivery_age_seconds", queue="train")
-    if sql["oldest"] is None:
-        assert age == 0
-    else:
-        oldest = sql["oldest"]
-        if isinstance(oldest, str):
-            oldest = dt.datetime.fromisoformat(oldest)
-        if oldest.tzinfo is None:
-            oldest = oldest.replace(tzinfo=dt.timezone.utc)
-        assert abs(age - (dt.datetime.now(dt.timezone.utc) - oldest).total_seconds()) < 5
+    for metric, stamp in (("wq_sql_oldest_delivery_age_seconds", sql["oldest"]),
+                          ("wq_sql_oldest_pending_age_seconds", sql["pending"])):
+        age = pick(samples, metric, queue="train")
+        if stamp is None:
+            assert age == 0, metric
+        else:
+            assert abs(age - age_of(stamp)) < 5, (metric, age, age_of(stamp))
     assert pick(samples, "wq_sql_up") == 1
 
 
@@ -194,3 +204,40 @@ def test_metrics_report_an_outage_and_recover(db_url: str, tmp_path: Path) -> No
             assert pick(up, "wq_sql_items", queue="train", epoch="0", state="pending") == 5
     finally:
         stop([exporter])
+
+
+def test_oldest_pending_age_counts_from_when_the_rows_were_made(db_url: str) -> None:
+    """The age of the oldest pending item grows from when its epoch's rows were written, a
+    requeue keeps it (as a message queue's age counts from the enqueue), a new epoch's rows
+    start their own, and a queue with nothing pending reads 0."""
+    from wq_sql import WorkQueue
+    from wq_sql.monitor.metrics import QueueCollector
+    from wq_sql.store.engine import make_engine, resolve_url
+
+    engine = make_engine(resolve_url(db_url))
+
+    def age() -> float:
+        views = QueueCollector(engine, queues=["aging"]).read()
+        return views[0].oldest_pending_age or 0.0
+
+    wq = WorkQueue([f"w{i}" for i in range(4)], num_epochs=2, shuffle=False, url=db_url, worker="a",
+                   lease_ahead=1, name="aging")
+    try:
+        time.sleep(1.2)
+        first = wq.take()  # epoch 0's rows were made with the queue
+        assert 1.1 <= age() < 30
+        wq.release(first)  # back to pending: it keeps its time
+        assert age() >= 1.1
+        for _ in range(5):  # epoch 0 handed out, and the first item of epoch 1, made now
+            wq.take()
+        assert age() < 1.0
+        time.sleep(1.2)
+        assert age() >= 1.1
+        for _ in range(3):
+            wq.take()
+        assert age() == 0  # nothing pending
+    finally:
+        wq.close()
+        engine.dispose()
+    views = QueueCollector(make_engine(resolve_url(db_url)), queues=["aging"]).read()
+    assert views[0].oldest_pending_age is None  # all done: nothing pending

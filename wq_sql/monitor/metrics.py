@@ -100,6 +100,9 @@ class QueueCollector(Collector):
             labels=qe + ["kind"])
         oldest = GaugeMetricFamily("wq_sql_oldest_delivery_age_seconds",
                                    "age of the oldest delivery in flight (0: none)", labels=q_)
+        pending_age = GaugeMetricFamily(
+            "wq_sql_oldest_pending_age_seconds", "age of the oldest pending item, from when it was made "
+            "claimable (its epoch's rows written; a requeue keeps it) (0: none pending)", labels=q_)
         rate = GaugeMetricFamily("wq_sql_done_items_per_second", f"items done per second over the last "
                                  f"{self.window:g} s", labels=q_)
         eta = GaugeMetricFamily("wq_sql_eta_seconds", "seconds until every item of every epoch is done or "
@@ -140,6 +143,7 @@ class QueueCollector(Collector):
                 for kind in snapshot.FAILURE_KINDS:
                     fails.add_metric(labels + [kind], c[kind])
             oldest.add_metric([v.name], v.oldest_delivery_age or 0.0)
+            pending_age.add_metric([v.name], v.oldest_pending_age or 0.0)
             rate.add_metric([v.name], v.rate or 0.0)
             if v.eta_seconds is not None:
                 eta.add_metric([v.name], v.eta_seconds)
@@ -169,8 +173,9 @@ class QueueCollector(Collector):
                     w_beat.add_metric(labels, w.heartbeat_age)
                 w_held.add_metric(labels, w.held)
                 w_strag.add_metric(labels, 1 if w.straggler else 0)
-        yield from (per_epoch, epochs, created, items, deliv, redeliv, expired, fails, oldest, rate, eta,
-                    workers, strag, w_done, w_failed, w_rate, w_beat, w_held, w_strag, w_wait, waiting, worst)
+        yield from (per_epoch, epochs, created, items, deliv, redeliv, expired, fails, oldest, pending_age,
+                    rate, eta, workers, strag, w_done, w_failed, w_rate, w_beat, w_held, w_strag, w_wait,
+                    waiting, worst)
 
 
 def serve(engine: Engine, *, host: str, port: int, queues: Sequence[str] = (), per_worker: bool = False,

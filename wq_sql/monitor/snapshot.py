@@ -41,6 +41,7 @@ from wq_sql.states import (
     EV_RECOVER,
     EV_RELEASE,
     EV_REQUEUE,
+    PENDING,
 )
 from wq_sql.store import statements
 from wq_sql.store.dialects import Dialect, dialect_of
@@ -118,6 +119,7 @@ class QueueView:
     oldest_delivery_age: Optional[float]  # seconds, of the oldest item claimed now
     median_rate: Optional[float]
     history: dict[int, Counter[str]] = field(default_factory=dict)  # epoch -> counts (HistoryCounts.keys)
+    oldest_pending_age: Optional[float] = None  # seconds since the oldest pending item was made claimable
 
     @property
     def total(self) -> int:
@@ -197,7 +199,26 @@ def read_queue(conn: Connection, d: Dialect, q: Any, *, window: float = WINDOW_S
     oldest_age = max(_seconds(st.now, oldest), 0.0) if oldest is not None else None
     rate = recent.rate or 0.0
     return QueueView(q.name, q.n_works, q.num_epochs, q.epochs_created, epochs_of(conn, q, st), workers,
-                     recent.done, rate, oldest_age, median, history or {})
+                     recent.done, rate, oldest_age, median, history or {},
+                     oldest_pending_age(conn, q, st.now))
+
+
+def oldest_pending_age(conn: Connection, q: Any, now: dt.datetime) -> Optional[float]:
+    """Seconds since the oldest pending item of queue ``q`` (a ``wq_queues`` row) was made
+    claimable (None: none pending). Rows are made in claim order and a requeue keeps the time,
+    so it is the first pending row's in that order: one descent of the pending index."""
+    i = statements.items
+    row = conn.execute(select(i.c.pending_since)
+                       .where(i.c.queue_id == q.id, text(f"wq_items.state = '{PENDING}'"))
+                       .order_by(i.c.epoch, i.c.seq).limit(1)).first()
+    if row is None:
+        return None
+    since = row[0] if row[0] is not None else q.created_at  # rows made before revision 0015
+    if since is None:
+        return None
+    if since.tzinfo is None:
+        since = since.replace(tzinfo=dt.timezone.utc)
+    return max(_seconds(now, since), 0.0)
 
 
 def by_rate(workers: list[WorkerView]) -> list[WorkerView]:

@@ -192,8 +192,9 @@ def _insert_rows(conn: Connection, qid: int, epoch: int, start: int, d: Draws) -
         end = k + ROWS_PER_STATEMENT
         t, pos, (w, src, at) = b.int_columns([d.works[k:end], d.sources[k:end], d.positions[k:end]])
         conn.execute(insert(items).from_select(
-            ["queue_id", "epoch", "seq", "work_idx", "state", "attempts", "source", "draw"],
-            select(literal(qid), literal(epoch), pos + (start + k), w, literal(PENDING), literal(0), src, at)
+            ["queue_id", "epoch", "seq", "work_idx", "state", "attempts", "source", "draw", "pending_since"],
+            select(literal(qid), literal(epoch), pos + (start + k), w, literal(PENDING), literal(0), src, at,
+                   b.now())
             .select_from(t)))
 
 

@@ -221,10 +221,11 @@ def insert_epoch_rows(conn: Connection, qid: int, epoch: int, order: Sequence[in
     in one statement: the slice goes to the server as one array parameter (Postgres ``unnest ...
     WITH ORDINALITY``, SQLite ``json_each``), so a million rows cost no per-row Python objects or
     parameter sets."""
-    rows, pos, idx = dialect_of(conn).int_rows(",".join(map(str, order[start:end])))
+    b = dialect_of(conn)
+    rows, pos, idx = b.int_rows(",".join(map(str, order[start:end])))
     conn.execute(insert(items).from_select(
-        ["queue_id", "epoch", "seq", "work_idx", "state", "attempts"],
-        select(literal(qid), literal(epoch), pos + start, idx, literal(PENDING), literal(0))
+        ["queue_id", "epoch", "seq", "work_idx", "state", "attempts", "pending_since"],
+        select(literal(qid), literal(epoch), pos + start, idx, literal(PENDING), literal(0), b.now())
         .select_from(rows)))
 
 
