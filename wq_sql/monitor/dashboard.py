@@ -142,7 +142,7 @@ def _queue_json(v: snapshot.QueueView, fails: list[snapshot.Failure], window: fl
         "epochs_created": v.epochs_created, "epochs": epochs,
         "total": v.total, "finished": v.finished, "rate": rate, "recent_done": v.recent,
         "eta_seconds": v.eta_seconds, "oldest_delivery_age": v.oldest_delivery_age,
-        "median_rate": v.median_rate,
+        "oldest_pending_age": v.oldest_pending_age, "median_rate": v.median_rate,
         "input_wait_share": share,
         "most_waiting": None if not waiters else {"name": waiters[0].name,
                                                   "share": waiters[0].input_wait_share},
