@@ -1,5 +1,5 @@
-"""pending since: each item row holds when it was made claimable (its epoch's rows or a mix
-change's redraw written), for the age of the oldest pending item
+"""pending since: each item row holds when it was made claimable (its epoch's rows written),
+for the age of the oldest pending item
 
 Revision ID: 0015
 Revises: 0014

@@ -208,10 +208,10 @@ class Item(Base):
     # in that source's stream (``wq_sql.mixing``); NULL in a queue without sources.
     source: Mapped[Optional[int]] = mapped_column(Integer)
     draw: Mapped[Optional[int]] = mapped_column(BigInteger)
-    # When the row was made claimable (its epoch's rows, or a mix change's redraw, were written;
-    # the database clock). A requeue keeps it, as a message queue's age counts from the
-    # enqueue: the age of the oldest pending item (the metric) is the first pending row's in
-    # claim order, one descent of the pending index. NULL: made before revision 0015.
+    # When the row was made claimable: its epoch's rows were written (the database clock). A
+    # requeue, and a mix change's redraw in place, keep it (a message queue's age counts from
+    # the enqueue), so the age of the oldest pending item (the metric) is the first pending
+    # row's in claim order: one descent of the pending index. NULL: made before revision 0015.
     pending_since: Mapped[Optional[dt.datetime]] = mapped_column(UTCDateTime)
 
 
