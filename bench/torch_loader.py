@@ -151,11 +151,12 @@ def throughput(a: argparse.Namespace) -> None:
             queue_s: dict[str, list[float]] = {c: [] for c in a.consumed}
             cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in ["static", *a.consumed, "floor"]}
             floor_s: list[float] = []
-            for _ in range(a.runs):  # interleaved: static, then each consumed= in turn
+            for run in range(a.runs):  # interleaved: static, then each consumed= in turn, rotated
                 with cpu_into(cpu["static"]):
                     static_s.append(timed_passes(TorchLoader(StaticFiles(files), **workers), a.epochs,
                                                  records))
-                for consumed in a.consumed:
+                k = run % len(a.consumed)  # each mode goes first as often: no place in the run favoured
+                for consumed in a.consumed[k:] + a.consumed[:k]:
                     name = f"tp_{uuid.uuid4().hex[:8]}"
                     mode, _, extra = consumed.partition("+")
                     ds = QueueDataset(files, num_epochs=a.epochs, name=name, url=url, read=read_lines,

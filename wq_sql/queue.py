@@ -565,6 +565,11 @@ class WorkQueue:
         """This worker's waiting-on-data total, seconds (None: nothing was measured)."""
         return self._hot.input_wait
 
+    @property
+    def closed(self) -> bool:
+        """Whether this queue object was closed (``close()``, a ``with`` block's end, the exit)."""
+        return bool(self._d.closed)
+
     def progress(self) -> Progress:
         """Counts from the counters table (no scan of the items), after sending this object's
         pending acknowledgements (items finished here count)."""

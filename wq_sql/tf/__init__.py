@@ -76,12 +76,14 @@ epoch, so ``model.fit(ds, epochs=E)`` trains queue epoch ``k`` in Keras epoch ``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import re
 import threading
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -140,9 +142,10 @@ class WorkQueue:
         # wq_sql.worker.checkpoints.
         self.ledger = Ledger()
         self.queue = _CoreQueue(*args, **kwargs)
-        # The batches of batches(): their steps, lineage (lineage=True) and the loop's input wait.
+        # The batches of batches(): their steps, lineage (lineage=True) and the loop's input wait
+        # (made by the first batches() call).
         self.lineage = lineage
-        self.steps = StepLog(self.queue, lineage)
+        self._steps: Optional[StepLog] = None
         self._stats_lock = threading.Lock()
         self._taken = 0
         self._last_epoch = 0
@@ -196,14 +199,31 @@ class WorkQueue:
         return self.queue.progress()
 
     def close(self) -> None:
-        """Acknowledge what was handed out, give back what was claimed ahead, and leave."""
+        """Acknowledge what was handed out, give back what was claimed ahead, and leave (with the
+        lineage rows and input wait :meth:`batches` kept, in the same transaction)."""
+        self._drain_steps()
         self.queue.close()
 
     def __enter__(self) -> WorkQueue:
         return self
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self._drain_steps()
         self.queue.__exit__(exc_type, exc, tb)
+
+    @property
+    def steps(self) -> StepLog:
+        """What :meth:`batches` datasets record: their steps, lineage and input wait."""
+        if self._steps is None:
+            self._steps = StepLog(self.queue, self.lineage)
+            # Before wq_sql's own exit hook closes the core queue (atexit runs the last
+            # registered first): what the variables hold rides on that close.
+            atexit.register(_drain_at_exit, weakref.ref(self))
+        return self._steps
+
+    def _drain_steps(self) -> None:
+        if self._steps is not None and not self.queue.closed:
+            self._steps.drain()
 
     def __repr__(self) -> str:
         return f"wq_sql.tf.{self.queue!r}"
@@ -510,6 +530,9 @@ class WorkQueue:
         for yet. A batch is numbered when the loop receives it; a batch received but not trained
         when the process dies is recorded all the same (the items of a hand-out count as
         consumed once the next one is taken, DeepRec's semantics)."""
+        if not tf.executing_eagerly():
+            raise InvalidInput("batches() is for TensorFlow 2 code (eager, a training loop or model.fit); "
+                               "in a TF1 graph use input_dataset() or input_producer()")
         if first_step is not None:
             if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
                 raise InvalidInput(f"first_step must be a whole number >= 0, got {first_step!r}")
@@ -677,6 +700,12 @@ class WorkQueue:
 DEFAULT_READ_AHEAD = 8
 """Items, plus one hand-out: enough when one item is read at a time and the buffers after the
 reader (shuffle, batch, prefetch, Keras' own) hold fewer records than 7 items have."""
+
+
+def _drain_at_exit(ref: weakref.ref[WorkQueue]) -> None:
+    wq = ref()
+    if wq is not None:
+        wq._drain_steps()
 
 
 def _hand_out(items: list[WorkItem], with_ids: bool) -> Any:

@@ -2,18 +2,19 @@
 (:meth:`wq_sql.tf.WorkQueue.batches`), and their replay (:func:`replay_dataset`).
 
 A record carries its item's id and its position in the item through the pipeline (two
-``int64`` tensors beside it); the last stage, one stateful ``numpy_function`` per batch, takes
-them off, numbers the batch (the rank's step), turns them into ``wq_steps`` rows (one per run of
-consecutive records of one item) and queues them on the core queue, whose next write (a claim
-round, which acknowledges the items handed out before, or the close) carries them in its
-transaction. Before pulling a batch the pipeline reads a clock (a ``zip`` pulls its inputs in
-order); the time from that to the batch arriving is the training loop's wait inside the
-iterator's ``get_next``, added to the rank's input-wait total (see decision 0010)."""
+``int64`` tensors beside it, made a chunk of an item's records at a time); the last stage takes
+them off, numbers the batch (the rank's step) and turns them into ``wq_steps`` rows (one per
+run of consecutive records of one item), in TensorFlow ops and variables (:class:`StepLog`);
+every few dozen batches or every second one ``numpy_function`` call queues the rows on the core
+queue, whose next write (a claim round, which acknowledges the items handed out before, or the
+close) carries them in its transaction. Before pulling a batch the pipeline reads a clock (``tf.timestamp``; a ``zip``
+pulls its inputs in order); the time from that to the batch arriving is the training loop's
+wait inside the iterator's ``get_next``, added to the rank's input-wait total (see decision
+0010)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -29,37 +30,91 @@ if TYPE_CHECKING:
 
 Reader = Callable[[tf.Tensor], tf.data.Dataset]
 _NO_END = 2**62  # a range's end that no item's record count reaches
+CHUNK = 4096  # records of an item tagged at once (one call per chunk), then rebatched
 
 
 class StepLog:
     """The batches a queue object's :meth:`~wq_sql.tf.WorkQueue.batches` datasets made: their
     step numbers (0, 1, ... over every pass and dataset of the object, from ``first_step``), the
-    lineage rows queued with the core queue (``lineage``), and the input wait."""
+    lineage rows queued with the core queue (``lineage``), and the input wait.
+
+    Kept in TensorFlow variables by the pipeline's last stage (TensorFlow ops only: a Python
+    call per batch from tf.data's threads waits for the interpreter's lock, which the training
+    loop's thread holds), and handed to Python every ``FLUSH_BATCHES`` batches or ``FLUSH_SECONDS``
+    (one ``numpy_function`` call), and at :meth:`drain` (the queue's close, a new run)."""
+
+    FLUSH_BATCHES = 64
+    FLUSH_SECONDS = 1.0
 
     def __init__(self, queue: CoreQueue, lineage: bool) -> None:
         self.queue, self.lineage = queue, lineage
-        self.next_step = 0
         self._run: Optional[int] = None
+        self._sent_wait = 0.0
         self._lock = threading.Lock()
+        with tf.init_scope():  # eagerly, also when the first batches() call is inside a function
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="wq_sql_step")
+            self.wait = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="wq_sql_input_wait")
+            self.rows = tf.Variable(tf.zeros([0, 5], tf.int64), shape=tf.TensorShape([None, 5]),
+                                    trainable=False, name="wq_sql_lineage_rows")
+            self.flushed_at = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="wq_sql_flushed_at")
 
-    def batch(self, asked: np.float64, ids: np.ndarray, positions: np.ndarray) -> np.int64:
-        """One batch reached the training loop, which asked for it at ``asked``
-        (``time.monotonic``); ``ids``, ``positions``: its records' items and places in them."""
-        self.queue.add_input_wait(max(0.0, time.monotonic() - float(asked)))
+    def record(self, asked: tf.Tensor, ids: tf.Tensor, positions: tf.Tensor) -> tf.Tensor:
+        """TensorFlow ops, in the pipeline's last stage: one batch reached the training loop,
+        which asked for it at ``asked`` (``tf.timestamp``); ``ids``, ``positions``: its records'
+        items and places in them. Returns the batch's step."""
+        now = tf.timestamp()
+        wait = self.wait.assign_add(now - asked)
+        step = self.step.assign_add(1) - 1
+        rows = self.rows
+        if self.lineage:
+            rows = self.rows.assign(tf.concat([self.rows, step_rows_tf(step, ids, positions)], 0))
+        due = tf.logical_or(tf.equal((step + 1) % self.FLUSH_BATCHES, 0),
+                            now - self.flushed_at >= self.FLUSH_SECONDS)
+
+        def flush() -> tf.Tensor:
+            sent = tf.numpy_function(self._take, [rows, wait], tf.int64, stateful=True, name="lineage")
+            with tf.control_dependencies([sent]):
+                return tf.group(self.rows.assign(tf.zeros([0, 5], tf.int64)), self.flushed_at.assign(now))
+
+        done = tf.cond(due, flush, tf.no_op)
+        with tf.control_dependencies([done]):
+            return tf.identity(step)
+
+    def _take(self, rows: np.ndarray, wait: np.float64) -> np.int64:
+        """The rows and wait total the pipeline kept since the last call: to the core queue."""
         with self._lock:
-            step = self.next_step
-            self.next_step += 1
-            if self.lineage and len(ids):
+            self.queue.add_input_wait(max(0.0, float(wait) - self._sent_wait))
+            self._sent_wait = float(wait)
+            if len(rows):
                 if self._run is None:
                     self._run = self.queue.next_lineage_run()
-                self.queue.queue_steps(Steps(self.queue.worker, self._run, step_rows(step, ids, positions)))
-        return np.int64(step)
+                self.queue.queue_steps(Steps(self.queue.worker, self._run, [tuple(r) for r in rows.tolist()]))
+        return np.int64(len(rows))
+
+    def drain(self) -> None:
+        """Hand what the variables hold to the core queue now (call it while no batch is being
+        made: at the close, before a new run)."""
+        rows = self.rows.numpy()
+        self.rows.assign(tf.zeros([0, 5], tf.int64))
+        self._take(rows, np.float64(self.wait.numpy()))
 
     def restart(self, first_step: int) -> None:
         """Number the next batch ``first_step``, in a new run (a restored model's steps)."""
+        self.drain()
         with self._lock:
-            self.next_step = first_step
             self._run = None
+        self.step.assign(first_step)
+
+
+def step_rows_tf(step: tf.Tensor, ids: tf.Tensor, positions: tf.Tensor) -> tf.Tensor:
+    """:func:`step_rows` in TensorFlow ops: an ``int64`` tensor of shape ``[rows, 5]``."""
+    n = tf.size(ids, out_type=tf.int64)
+    cut = tf.logical_or(tf.not_equal(ids[1:], ids[:-1]), tf.not_equal(positions[1:], positions[:-1] + 1))
+    starts = tf.concat([tf.zeros([1], tf.int64), tf.where(cut)[:, 0] + 1], 0)
+    ends = tf.concat([starts[1:], tf.reshape(n, [1])], 0) - 1
+    parts = tf.range(tf.size(starts, out_type=tf.int64), dtype=tf.int64)
+    return tf.stack([tf.fill(tf.shape(starts), step), parts, tf.gather(ids, starts),
+                     tf.gather(positions, starts), tf.gather(positions, ends)], axis=1)
 
 
 def step_rows(step: int, ids: np.ndarray, positions: np.ndarray) -> list[Row]:
@@ -105,13 +160,15 @@ def batches(items: tf.data.Dataset, log: StepLog, read: Reader, batch_size: int,
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidInput(f"{name} must be a whole number >= {least}, got {value!r}")
 
+    chunk = max(batch_size, CHUNK)
+
     @tf.autograph.experimental.do_not_convert
     def records(work: tf.Tensor, item_id: tf.Tensor) -> tf.data.Dataset:
         # The item's records a chunk at a time, beside its id and each chunk's first position:
         # datasets without functions of their own, so nothing is instantiated per item.
         ids = tf.data.Dataset.from_tensors(item_id).repeat()
-        firsts = tf.data.Dataset.range(0, _NO_END, batch_size)
-        return tf.data.Dataset.zip((read(work).batch(batch_size), ids, firsts))
+        firsts = tf.data.Dataset.range(0, _NO_END, chunk)
+        return tf.data.Dataset.zip((read(work).batch(chunk), ids, firsts))
 
     if interleave == 1:
         chunks = items.flat_map(records)
@@ -133,15 +190,12 @@ def batches(items: tf.data.Dataset, log: StepLog, read: Reader, batch_size: int,
 
     @tf.autograph.experimental.do_not_convert
     def now(_: tf.Tensor) -> tf.Tensor:
-        t = tf.numpy_function(lambda: np.float64(time.monotonic()), [], tf.float64, stateful=True,
-                              name="asked_at")
-        t.set_shape([])
-        return t
+        return tf.timestamp()  # a TensorFlow op: no Python call per batch for the clock
 
     @tf.autograph.experimental.do_not_convert
     def handed(asked: tf.Tensor, batch: Any) -> Any:
         data, ids, positions = batch
-        step = tf.numpy_function(log.batch, [asked, ids, positions], tf.int64, stateful=True, name="step")
+        step = log.record(asked, ids, positions)
         with tf.control_dependencies([step]):
             return tf.nest.map_structure(tf.identity, data)
 
@@ -152,6 +206,9 @@ def batches(items: tf.data.Dataset, log: StepLog, read: Reader, batch_size: int,
     # Nothing between this stage and the training loop: a prefetch there would make the clock
     # read the pipeline's wait, not the loop's (and number batches the loop has not asked for).
     options.experimental_optimization.inject_prefetch = False
+    # The step log's variables are state outside the iterator, like the take's (saving an
+    # iterator of this pipeline would fail on them): the queue and its rows stand for it.
+    options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
     return out.with_options(options)
 
 
