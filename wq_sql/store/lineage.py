@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Optional, cast
 
 from sqlalchemy import Connection, Table, and_, func, select
 
-from wq_sql.store.dialects import Dialect, qualifier
+from wq_sql.store.dialects import Dialect, pg_bigints, qualifier
 from wq_sql.store.models import Item, Queue, StepRecord, Work
 
 steps = cast(Table, StepRecord.__table__)
@@ -61,9 +61,10 @@ class StepWriter:
         return (sql.decode() if isinstance(sql, bytes) else sql).replace("%", "%%") + "; "
 
     def _params(self, qid: int, s: Steps) -> dict[str, Any]:
+        # Array literals as text (pg_bigints): psycopg2 adapts a list element by element.
         cols = list(zip(*s.rows))
-        return {"q": qid, "w": s.worker, "r": s.run, "s": list(cols[0]), "p": list(cols[1]),
-                "i": list(cols[2]), "f": list(cols[3]), "l": list(cols[4])}
+        return {"q": qid, "w": s.worker, "r": s.run, "s": pg_bigints(cols[0]), "p": pg_bigints(cols[1]),
+                "i": pg_bigints(cols[2]), "f": pg_bigints(cols[3]), "l": pg_bigints(cols[4])}
 
     def write(self, conn: Any, qid: int, s: Steps) -> None:
         if not s.rows:

@@ -7,10 +7,10 @@ them off, numbers the batch (the rank's step) and turns them into ``wq_steps`` r
 run of consecutive records of one item), in TensorFlow ops and variables (:class:`StepLog`);
 every few dozen batches or every second one ``numpy_function`` call queues the rows on the core
 queue, whose next write (a claim round, which acknowledges the items handed out before, or the
-close) carries them in its transaction. Before pulling a batch the pipeline reads a clock (``tf.timestamp``; a ``zip``
-pulls its inputs in order); the time from that to the batch arriving is the training loop's
-wait inside the iterator's ``get_next``, added to the rank's input-wait total (see decision
-0010)."""
+close) carries them in its transaction. Before pulling a batch the pipeline reads a clock
+(``tf.timestamp``; a ``zip`` pulls its inputs in order); the time from that to the batch
+arriving is the training loop's wait inside the iterator's ``get_next``, added to the rank's
+input-wait total (see decision 0010)."""
 
 from __future__ import annotations
 
