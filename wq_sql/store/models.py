@@ -47,7 +47,8 @@ NAMING_CONVENTION = {
 # columns only from rows it has just read in the same transaction and deletes children before
 # parents (statements.drop_queue), so the constraints only restated what the code does. SQLite keeps
 # them: its checks are in-process and lock nothing (a single writer).
-SQLITE_ONLY_FOREIGN_KEYS = ("fk_wq_items_worker_id_wq_workers", "fk_wq_events_queue_id_wq_queues")
+SQLITE_ONLY_FOREIGN_KEYS = ("fk_wq_items_worker_id_wq_workers", "fk_wq_events_queue_id_wq_queues",
+                            "fk_wq_steps_queue_id_wq_queues")
 
 
 def foreign_keys_of(dialect: str) -> Callable[..., bool]:
@@ -336,9 +337,13 @@ class StepRecord(Base):
     restores (a restored checkpoint numbers its steps again from the state's step)."""
 
     __tablename__ = "wq_steps"
-    __table_args__ = (Index("ix_wq_steps_item", "item_id"),)
+    __table_args__ = (
+        Index("ix_wq_steps_item", "item_id"),
+        # Written in every acknowledgement transaction: no key check on Postgres (decision 3).
+        _sqlite_only_fk("queue_id", "wq_queues.id", "CASCADE"),
+    )
 
-    queue_id: Mapped[int] = mapped_column(ForeignKey("wq_queues.id", ondelete="CASCADE"), primary_key=True)
+    queue_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     worker: Mapped[str] = mapped_column(String(200), primary_key=True)
     run: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
