@@ -118,7 +118,10 @@ def test_dashboard_in_chromium(backend: str, db_url: str, tmp_path: Path, browse
         page.wait_for_function("""() => [...document.querySelectorAll(
             'section[data-queue="train"] td.input-wait')].some(td => /% \\(/.test(td.textContent))""",
                                timeout=60_000)
-        assert "waiting on data" in page.locator('section[data-queue="train"] .meta').first.inner_text()
+        meta = page.locator('section[data-queue="train"] .meta').first.inner_text()
+        assert "waiting on data" in meta
+        # Items still pending while the workers drain: how long ago the oldest was made claimable.
+        assert "oldest pending item made claimable" in meta, meta
 
         error = page.locator("table.failures td.error", has_text="boom: cannot parse poison")
         error.first.wait_for(timeout=60_000)
