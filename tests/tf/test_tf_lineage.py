@@ -192,3 +192,34 @@ def test_first_step_begins_a_new_run(db_url: str, tmp_path: Path) -> None:
         return [x for t in rows for x in content[t["work"]][t["first_record"]:t["last_record"] + 1]]
     assert records(old) == first[2]
     assert records(latest) == second[0]
+
+
+def test_checkpoint_mode_traces_what_a_checkpoint_covered(db_url: str, tmp_path: Path) -> None:
+    """``consumed="checkpoint"`` with lineage: a save covers the items handed out to the
+    pipeline before it (the iterator in the checkpoint holds the rest of their records), and
+    ``wq-sql trace --checkpoint S`` lists every step that trained them, each step's records as
+    the loop received them."""
+    paths, _ = write_text_files(tmp_path / "data", [6] * 8)
+    content = {p: Path(p).read_text(encoding="utf-8").splitlines() for p in paths}
+    wq = WorkQueue(paths, url=db_url, worker="ck", name="ckq", consumed="checkpoint", lineage=True)
+    ds = wq.batches(tf.data.TextLineDataset, 4)
+    it = iter(ds)
+    ckpt = tf.train.Checkpoint(iterator=it)
+    manager = wq.checkpoint_manager(ckpt, str(tmp_path / "ckpt"))
+    manager.restore_or_initialize()
+    logged = [decoded(next(it)) for _ in range(6)]  # 24 lines: the first 4 files
+    manager.save(checkpoint_number=6)
+    logged += [decoded(b) for b in it]
+    manager.save(checkpoint_number=len(logged))
+    wq.close()
+    rows = traced_json(db_url, "ckq", "--checkpoint", "6")
+    assert rows, "checkpoint 6 covered no item with lineage"
+    steps = sorted({int(t["step"]) for t in rows})
+    assert steps[0] == 0 and set(range(6)) <= set(steps), steps  # the steps before the save
+    for k in steps:
+        mine = [t for t in rows if int(t["step"]) == k]
+        assert {t["checkpoint"] for t in mine} == {6}
+        got = [x for t in mine for x in content[str(t["work"])][t["first_record"]:t["last_record"] + 1]]
+        assert set(got) <= set(logged[k]), (k, got, logged[k])
+    every = traced_json(db_url, "ckq", "--step", "0", "--to", str(len(logged) - 1), "--worker", "ck")
+    assert {t["checkpoint"] for t in every} <= {6, len(logged)}
