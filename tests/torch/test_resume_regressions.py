@@ -210,8 +210,9 @@ def holding(log: Path, ranks: list[int], incarnation: int) -> bool:
 
 def uneven_ranks_killed(url: str, tmp: Path, queue: str) -> tuple[dict[str, Any], Path, Path]:
     """A torchrun-style job of 2 ranks over 2 epochs of 40 files, one rank three times slower,
-    killed once both hold (steps 32 and 12, last saves 30 and 10): the job, its log and
-    checkpoint paths (one of each per rank), for the next incarnations."""
+    killed once both hold (steps 32 and 12; their last saves, see :func:`last_saved`, are
+    30 and 10, or the end of pass 0 when a rank's share of epoch 0 ended just after those): the
+    job, its log and checkpoint paths (one of each per rank), for the next incarnations."""
     files, _ = write_files(tmp / "data", 40, LINES)
     log, ckpt = tmp / "log", tmp / "ckpt.pt"
     job = {"url": url, "queue": queue, "files": files, "num_epochs": 2, "num_workers": 2,
@@ -221,6 +222,14 @@ def uneven_ranks_killed(url: str, tmp: Path, queue: str) -> tuple[dict[str, Any]
     kill_ranks_when([start(first, r, 2, 0, "job", 0) for r in (0, 1)], lambda: holding(log, [0, 1], 0),
                     "to their holds")
     return job, log, ckpt
+
+
+def last_saved(log: Path, rank: int) -> int:
+    """The step of the last save in rank ``rank``'s log (what its next incarnation restores):
+    the saves come every 5 steps and at the end of each pass, and where pass 0 ends depends on
+    how the ranks' speeds split epoch 0's items."""
+    runs = read_runs(Path(f"{log}.rank{rank}"), "")
+    return runs[-1].saves[-1]
 
 
 def check_ranks(job: dict[str, Any], restored: list[tuple[int, str, int]]) -> None:
@@ -247,6 +256,8 @@ def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: st
     ``new``: the 3-rank job runs under a new run id, and the 1-rank job is killed right after
     its save (so the items its state lists were never marked done by it). Every record once."""
     job, log, ckpt = uneven_ranks_killed(db_url, tmp_path, "world")
+    saved = last_saved(log, 0)
+    assert saved in (30, 31), saved  # 31: rank 0's share of epoch 0 ended there
     b = {**job, "departed": [f"{ckpt}.rank1"]}
     if run_ids == "same":
         kill_ranks_when([start({**b, "hold_at": 42}, 0, 1, 1, "job", 1)], lambda: holding(log, [0], 1),
@@ -261,7 +272,7 @@ def test_resume_with_another_world_size(db_url: str, tmp_path: Path, run_ids: st
     for p in [start(c, r, 3, 2, run_id, restart) for r in (0, 1, 2)]:
         finish(p)
 
-    check_ranks(job, [(0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30),
+    check_ranks(job, [(0, "rank0", 0), (0, "rank1", 0), (1, "rank0", saved),
                       (2, "rank0", 40), (2, "rank1", 0), (2, "rank2", 0)])
 
 
@@ -337,6 +348,8 @@ def test_resume_of_ranks_whose_steps_differ(db_url: str, tmp_path: Path) -> None
     2 ranks (steps 32 and 12 at the kill, last saves 30 and 10) restart as 2 ranks, each from its
     own state: rank 1's restore (step 10) leaves rank 0's checkpoints up to 30 done."""
     job, log, ckpt = uneven_ranks_killed(db_url, tmp_path, "uneven")
+    saved = [last_saved(log, r) for r in (0, 1)]
+    assert saved[0] in (30, 31) and saved[1] in (10, 11), saved  # or where pass 0 ended
     for p in [start(job, r, 2, 1, "job", 1) for r in (0, 1)]:
         finish(p)
-    check_ranks(job, [(0, "rank0", 0), (0, "rank1", 0), (1, "rank0", 30), (1, "rank1", 10)])
+    check_ranks(job, [(0, "rank0", 0), (0, "rank1", 0), (1, "rank0", saved[0]), (1, "rank1", saved[1])])
