@@ -412,6 +412,28 @@ def trace(name: str, *, step: Optional[int] = None, steps: Optional[range] = Non
         return found
 
 
+def replay_steps(name: str, *, worker: str, steps: range, run: Optional[int] = None,
+                 url: Optional[str | URL] = None,
+                 schema: Optional[str] = None) -> list[list[lineage_store.Traced]]:
+    """What the shims' replays read: for each step of ``steps`` of rank ``worker``, in order,
+    its batch's lineage rows in batch order (each step from the rank's latest run that recorded
+    it; ``run``: from that run). Every step of the range must have lineage, else
+    :class:`InvalidInput` says which do not and what was recorded."""
+    if not isinstance(worker, str):
+        raise InvalidInput(f"worker must be the rank's identity (a str, as wq-sql trace prints it), "
+                           f"got {worker!r}")
+    by_step: dict[int, list[lineage_store.Traced]] = {}
+    for t in trace(name, steps=steps, worker=worker, run=run, url=url, schema=schema):
+        by_step.setdefault(t.step, []).append(t)
+    missing = [s for s in steps if s not in by_step]
+    if missing:
+        raise InvalidInput(f"steps {_listed(missing)} of worker {worker!r} in queue {name!r} have no lineage "
+                           f"({len(missing)} of the {len(steps)} asked for; recorded steps of the range: "
+                           f"{min(by_step)}..{max(by_step)}): ask for a range the rank trained and "
+                           "acknowledged (wq-sql trace shows it)")
+    return [by_step[s] for s in steps]
+
+
 def _whole(what: str, n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise InvalidInput(f"{what} must be an int >= 0, got {n!r}")

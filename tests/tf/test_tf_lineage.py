@@ -37,7 +37,7 @@ def test_every_step_of_two_workers_traces_to_the_logged_records(db_url: str, tmp
     """Two worker processes, 2 epochs of 200 files of 1 to 9 lines, batches of 2 (batches
     straddle items), one worker reading 2 items at a time: about 1,000 steps in all. Each
     worker's step k (the k-th batch its loop received) is, through ``wq-sql trace``, exactly its
-    logged records; replaying steps [120, 140) of worker 1 gives its logged batches."""
+    logged records; replaying steps [120, 140) of a worker gives its logged batches."""
     paths, _ = write_text_files(tmp_path / "data", [1 + i % 9 for i in range(200)])
     content = {p: Path(p).read_text(encoding="utf-8").splitlines() for p in paths}
     barrier = tmp_path / "barrier"
@@ -47,7 +47,7 @@ def test_every_step_of_two_workers_traces_to_the_logged_records(db_url: str, tmp
              "pause": 0.0 if r == 0 else 0.001} for r in range(2)]
     logs = [finish_worker(p, timeout=300)["steps"] for p in [start_worker(j) for j in jobs]]
     total = sum(len(s) for s in logs)
-    assert total >= 950 and all(len(s) >= 120 for s in logs), [len(s) for s in logs]
+    assert total >= 950 and all(logs), [len(s) for s in logs]
     assert sorted(x for s in logs for b in s for x in b) == sorted(2 * [x for p in paths for x in content[p]])
     for r in range(2):
         rows = traced_json(db_url, "lin", "--step", "0", "--to", str(len(logs[r]) - 1), "--worker", f"w{r}")
@@ -59,9 +59,11 @@ def test_every_step_of_two_workers_traces_to_the_logged_records(db_url: str, tmp
         assert sorted(per_step) == list(range(len(logs[r]))), f"worker {r}: steps without lineage"
         bad = [k for k, b in enumerate(logs[r]) if per_step[k] != b]
         assert not bad, (r, bad[:5], [(per_step[k], logs[r][k]) for k in bad[:2]])
-    replay = replay_dataset("lin", url=db_url, worker="w1", steps=range(120, 140),
+    # The worker that trained more (how the two split the ~1,000 steps depends on the machine).
+    r = max(range(2), key=lambda k: len(logs[k]))
+    replay = replay_dataset("lin", url=db_url, worker=f"w{r}", steps=range(120, 140),
                             read=tf.data.TextLineDataset)
-    assert [decoded(b) for b in replay] == logs[1][120:140]
+    assert [decoded(b) for b in replay] == logs[r][120:140]
 
 
 def test_keras_fit_records_each_step(db_url: str, tmp_path: Path) -> None:

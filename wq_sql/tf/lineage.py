@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from wq_sql.admin import trace
+from wq_sql.admin import replay_steps
 from wq_sql.errors import InvalidInput
 from wq_sql.store.engine import resolve_url
-from wq_sql.store.lineage import Row, Steps, Traced
+from wq_sql.store.lineage import Row, Steps
 
 if TYPE_CHECKING:
     from wq_sql.queue import WorkQueue as CoreQueue
@@ -231,29 +231,16 @@ def replay_dataset(name: str, *, worker: str, steps: range, read: Reader,
     queue without lineage raises :class:`~wq_sql.InvalidInput` saying what was recorded; a
     reader that yields fewer records than a step trained fails the iteration with
     ``InvalidArgumentError`` naming the step."""
-    if not isinstance(worker, str):
-        raise InvalidInput(f"worker must be the rank's identity (a str, as wq-sql trace prints it), "
-                           f"got {worker!r}")
     check_reader(read, map_fn)
-    rows = trace(name, steps=steps, worker=worker, run=run,
-                 url=resolve_url(url).render_as_string(hide_password=False), schema=schema)
-    by_step: dict[int, list[Traced]] = {}
-    for t in rows:
-        by_step.setdefault(t.step, []).append(t)
-    missing = [s for s in steps if s not in by_step]
-    if missing:
-        shown = ", ".join(str(s) for s in missing[:10]) + (" ..." if len(missing) > 10 else "")
-        raise InvalidInput(f"steps {shown} of worker {worker!r} in queue {name!r} have no lineage "
-                           f"({len(missing)} of the {len(steps)} asked for; recorded steps of the range: "
-                           f"{min(by_step)}..{max(by_step)}): ask for a range the rank trained and "
-                           "acknowledged (wq-sql trace shows it)")
+    per_step = replay_steps(name, worker=worker, steps=steps, run=run,
+                            url=resolve_url(url).render_as_string(hide_password=False), schema=schema)
     works: list[str] = []
     firsts: list[int] = []
     counts: list[int] = []
     bounds = [0]
     sizes: list[int] = []
-    for s in steps:
-        for t in by_step[s]:
+    for rows in per_step:
+        for t in rows:
             works.append(t.handed)
             firsts.append(t.first_record)
             counts.append(t.last_record - t.first_record + 1)

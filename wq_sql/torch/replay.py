@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Union
 
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from wq_sql.admin import trace
+from wq_sql.admin import replay_steps
 from wq_sql.errors import InvalidInput
 from wq_sql.queue import WorkItem
 from wq_sql.sources import read_slice
@@ -48,30 +48,17 @@ class ReplayDataset(IterableDataset):
                  read: Union[None, str, Reader] = None, read_options: Optional[dict[str, Any]] = None,
                  collate_fn: Optional[Callable[[list[Any]], Any]] = None,
                  schema: Optional[str] = None) -> None:
-        if not isinstance(worker, str):
-            raise InvalidInput(f"worker must be the rank's identity (a str, as wq-sql trace prints it), "
-                               f"got {worker!r}")
         if read is not None and read != "source" and not callable(read):
             raise InvalidInput(f"read must be None, 'source' or a function item -> records, got {read!r}")
         if read_options and read != "source":
             raise InvalidInput("read_options= go to the queue's source readers: use it with read='source'")
         self.url = resolve_url(url).render_as_string(hide_password=False)
-        rows = trace(name, steps=steps, worker=worker, run=run, url=self.url, schema=schema)
-        by_step: dict[int, list[Traced]] = {}
-        for t in rows:
-            by_step.setdefault(t.step, []).append(t)
-        missing = [s for s in steps if s not in by_step]
-        if missing:
-            shown = ", ".join(str(s) for s in missing[:10]) + (" ..." if len(missing) > 10 else "")
-            raise InvalidInput(f"steps {shown} of worker {worker!r} in queue {name!r} have no lineage "
-                               f"({len(missing)} of the {len(steps)} asked for; recorded steps of the range: "
-                               f"{min(by_step)}..{max(by_step)}): ask for a range the rank trained and "
-                               "acknowledged (wq-sql trace shows it)")
+        # per step, its batch's rows in order
+        self.lineage = replay_steps(name, worker=worker, steps=steps, run=run, url=self.url, schema=schema)
         self.name, self.worker, self.steps = name, worker, steps
         self.read, self.read_options = read, dict(read_options or {})
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.schema = schema
-        self.lineage = [by_step[s] for s in steps]  # per step, its batch's rows in order
 
     def __len__(self) -> int:
         return len(self.steps)
