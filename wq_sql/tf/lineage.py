@@ -23,7 +23,7 @@ import tensorflow as tf
 from wq_sql.admin import replay_steps
 from wq_sql.errors import InvalidInput
 from wq_sql.store.engine import resolve_url
-from wq_sql.store.lineage import Row, Steps
+from wq_sql.store.lineage import Steps
 
 if TYPE_CHECKING:
     from wq_sql.queue import WorkQueue as CoreQueue
@@ -107,7 +107,8 @@ class StepLog:
 
 
 def step_rows_tf(step: tf.Tensor, ids: tf.Tensor, positions: tf.Tensor) -> tf.Tensor:
-    """:func:`step_rows` in TensorFlow ops: an ``int64`` tensor of shape ``[rows, 5]``."""
+    """A batch's ``wq_steps`` rows, in batch order, one per run of consecutive records of one
+    item, ``(step, part, item id, first record, last record)``: an ``int64`` tensor ``[rows, 5]``."""
     n = tf.size(ids, out_type=tf.int64)
     cut = tf.logical_or(tf.not_equal(ids[1:], ids[:-1]), tf.not_equal(positions[1:], positions[:-1] + 1))
     starts = tf.concat([tf.zeros([1], tf.int64), tf.where(cut)[:, 0] + 1], 0)
@@ -115,18 +116,6 @@ def step_rows_tf(step: tf.Tensor, ids: tf.Tensor, positions: tf.Tensor) -> tf.Te
     parts = tf.range(tf.size(starts, out_type=tf.int64), dtype=tf.int64)
     return tf.stack([tf.fill(tf.shape(starts), step), parts, tf.gather(ids, starts),
                      tf.gather(positions, starts), tf.gather(positions, ends)], axis=1)
-
-
-def step_rows(step: int, ids: np.ndarray, positions: np.ndarray) -> list[Row]:
-    """A batch's ``wq_steps`` rows, in batch order: one per run of consecutive records of one
-    item, ``(step, part, item id, first record, last record)``."""
-    ids = np.asarray(ids, dtype=np.int64)
-    positions = np.asarray(positions, dtype=np.int64)
-    cut = np.flatnonzero((ids[1:] != ids[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
-    starts = np.concatenate(([0], cut))
-    ends = np.concatenate((cut, [len(ids)])) - 1
-    return [(step, part, int(ids[a]), int(positions[a]), int(positions[b]))
-            for part, (a, b) in enumerate(zip(starts.tolist(), ends.tolist()))]
 
 
 def _tags(chunk: Any, item_id: tf.Tensor, first: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
